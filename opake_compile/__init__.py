@@ -1,0 +1,1 @@
+"""opake_compile: differentially private training for PyTorch as a compiler transform."""

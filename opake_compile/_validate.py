@@ -1,0 +1,107 @@
+"""Argument validation shared by the whole package. Messages name the argument and the
+expected range, and errors are the project's own exception classes."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any
+
+import torch
+
+from opake_compile.exceptions import ConfigurationError, InputTypeError
+
+__all__ = [
+    "NotPrivateWarning",
+    "check_clipping_norm",
+    "check_noise_multiplier",
+    "check_probability",
+    "check_positive_int",
+    "check_nonnegative_int",
+]
+
+
+class NotPrivateWarning(UserWarning):
+    """Emitted when a configuration gives no differential privacy guarantee (an infinite
+    clipping norm, a zero noise multiplier, a non-private accounting process)."""
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise InputTypeError(f"Expected {name} to be a number, got bool {value!r}.")
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dim() != 0:
+            raise InputTypeError(
+                f"Expected {name} to be a number or a 0-d tensor, got a tensor of shape "
+                f"{tuple(value.shape)}."
+            )
+        if value.dtype.is_complex or value.dtype == torch.bool:
+            raise InputTypeError(f"Expected {name} to be real, got dtype {value.dtype}.")
+        return float(value.item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise InputTypeError(f"Expected {name} to be a number or a 0-d tensor, got {type(value).__name__}.")
+
+
+def check_clipping_norm(value: Any, *, name: str = "clipping_norm") -> float:
+    """Validate a clipping norm C and return it as a Python float.
+
+    C must be a positive int, float or 0-d tensor; ``math.inf`` is allowed (no clipping) and
+    warns with :class:`NotPrivateWarning` because the result then has unbounded sensitivity.
+
+    Raises:
+        InputTypeError: C is not a real number or 0-d tensor.
+        ConfigurationError: C <= 0 or C is NaN.
+    """
+    c = _as_float(name, value)
+    if math.isnan(c) or c <= 0:
+        raise ConfigurationError(f"Expected {name}={c!r} > 0 (use math.inf to disable clipping).")
+    if math.isinf(c):
+        warnings.warn(
+            f"{name}=inf: per-example gradients are not clipped, so the sum has unbounded "
+            "sensitivity and no noise level makes it differentially private.",
+            NotPrivateWarning,
+            stacklevel=3,
+        )
+    return c
+
+
+def check_noise_multiplier(value: Any, *, name: str = "noise_multiplier") -> float:
+    """Validate a noise multiplier sigma >= 0 (finite). sigma = 0 warns: no privacy."""
+    s = _as_float(name, value)
+    if math.isnan(s) or s < 0 or math.isinf(s):
+        raise ConfigurationError(f"Expected {name}={s!r} to be finite and >= 0.")
+    if s == 0:
+        warnings.warn(
+            f"{name}=0: no noise is added, so training is not differentially private.",
+            NotPrivateWarning,
+            stacklevel=3,
+        )
+    return s
+
+
+def check_probability(value: Any, *, name: str) -> float:
+    """Validate a probability in [0, 1] (a sample rate)."""
+    p = _as_float(name, value)
+    if not (0.0 <= p <= 1.0):
+        raise ConfigurationError(f"Expected {name}={p!r} in [0, 1].")
+    return p
+
+
+def check_positive_int(value: Any, *, name: str) -> int:
+    """Validate an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"Expected {name} to be an int, got {type(value).__name__}.")
+    if value < 1:
+        raise ConfigurationError(f"Expected {name}={value!r} >= 1.")
+    return int(value)
+
+
+def check_nonnegative_int(value: Any, *, name: str) -> int:
+    """Validate an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InputTypeError(f"Expected {name} to be an int, got {type(value).__name__}.")
+    if value < 0:
+        raise ConfigurationError(f"Expected {name}={value!r} >= 0.")
+    return int(value)
