@@ -1,0 +1,76 @@
+"""Small helpers for editing the library's ATen FX graphs.
+
+Nodes created by the passes get a ``meta['val']`` (a FakeTensor computed by running the op in
+the graph's fake mode), so later passes can read shapes and dtypes exactly as they do for
+nodes that ``make_fx`` produced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+aten = torch.ops.aten
+
+__all__ = ["Emitter", "val", "shape", "role_of", "set_role", "nodes_with_role"]
+
+
+def val(node: Any) -> Any:
+    """The ``meta['val']`` of an FX node (or the value itself for a non-node argument)."""
+    return node.meta["val"] if isinstance(node, fx.Node) else node
+
+
+def shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in node.meta["val"].shape)
+
+
+def role_of(node: fx.Node) -> tuple[str, str] | None:
+    """``(role, parameter name)`` recorded by the clip pass, e.g. ``("sq_norm", "fc.weight")``."""
+    return node.meta.get("opake_role")
+
+
+def set_role(node: fx.Node, role: str, param: str) -> fx.Node:
+    node.meta["opake_role"] = (role, param)
+    return node
+
+
+def nodes_with_role(graph: fx.Graph, role: str) -> dict[str, fx.Node]:
+    return {r[1]: n for n in graph.nodes if (r := role_of(n)) is not None and r[0] == role}
+
+
+class Emitter:
+    """Appends ATen calls to a graph before a given node, with fake-tensor metadata.
+
+    Example::
+
+        em = Emitter(gm.graph, before=output_node)
+        sq = em(aten.mul.Tensor, g, g)
+    """
+
+    def __init__(self, graph: fx.Graph, *, before: fx.Node) -> None:
+        self.graph = graph
+        self.before = before
+        vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
+        self.fake_mode = detect_fake_mode(vals)
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(op, args, kwargs)
+        fake_args = torch.fx.node.map_arg(args, val)
+        fake_kwargs = torch.fx.node.map_arg(kwargs, val)
+        with self._mode():
+            node.meta["val"] = op(*fake_args, **fake_kwargs)
+        return node
+
+    @contextmanager
+    def _mode(self) -> Iterator[None]:
+        if self.fake_mode is None:
+            yield
+        else:
+            with self.fake_mode:
+                yield

@@ -1,0 +1,62 @@
+"""Stage 3 of the pipeline: lower the rewritten graph through a ``torch.compile`` backend.
+
+``backend="inductor"`` (the default of :func:`opake_compile.compile_dp`) generates C++/OpenMP
+kernels on the CPU and Triton kernels on the GPU; ``"aot_eager"`` runs the same AOTAutograd
+pipeline without code generation (cheap, for tests); ``None`` runs the FX graph as it is.
+Shapes are static (the physical batch is padded to a fixed size), so each graph compiles once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = ["CompileCounter", "lower"]
+
+
+class CompileCounter:
+    """Wraps a ``torch.compile`` backend and counts how often it compiles a graph. One counter
+    per ``DPStep``: no process-global state."""
+
+    def __init__(self, backend: str | Callable[..., Any]) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.count = 0
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.count += 1
+        return self.backend(gm, example_inputs)
+
+
+class _LazyCompiled:
+    """Compiles on the first call, with that call's inputs as the example inputs."""
+
+    def __init__(self, gm: fx.GraphModule, backend: Callable[..., Any]) -> None:
+        self.gm = gm
+        self.backend = backend
+        self.fn: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            self.fn = self.backend(self.gm, list(args))
+        return self.fn(*args)
+
+
+def lower(gm: fx.GraphModule, backend: str | Callable[..., Any] | None, counter: CompileCounter | None = None) -> Callable[..., Any]:
+    """Return a callable that runs ``gm`` through ``backend``.
+
+    The graph is already a functional ATen graph with flat tensor inputs, so it goes straight
+    to the backend's compiler entry point (``backend(gm, example_inputs)``) without Dynamo
+    re-tracing it: no guards to evaluate per call and exactly one compilation per graph.
+
+    Args:
+        gm: the ATen graph after the passes.
+        backend: a ``torch.compile`` backend name or callable, or ``None`` for no lowering.
+        counter: optional :class:`CompileCounter` wrapping ``backend`` (used instead of it).
+    """
+    if backend is None:
+        return gm
+    target = counter if counter is not None else CompileCounter(backend)
+    return _LazyCompiled(gm, target)

@@ -1,0 +1,108 @@
+"""The clipping pass: per-example norms, clip factors and the weighted sum.
+
+Input graph (from :mod:`opake_compile.compiler.trace`)::
+
+    placeholders: params..., others..., C (0-d), mask (P,) bool, args...
+    output: (losses (P,), G_1 (P, *s_1), ..., G_k (P, *s_k))
+
+Output graph::
+
+    output: (losses (P,), norms (P,), kept (P,) bool, S_1 (*s_1), ..., S_k (*s_k))
+
+with, in the accumulation dtype (at least float32)::
+
+    sq_p     = sum over entries of G_p[i]^2                    (tagged "sq_norm", p)
+    norms    = sqrt(sum_p sq_p)
+    kept     = isfinite(norms) & mask
+    factor   = where(kept, min(1, C / norms), 0)                (tagged "clip_factor")
+    S_p      = sum_i factor[i] * where(kept[i], G_p[i], 0)      (tagged "clipped_sum", p)
+
+Non-finite examples are removed with a select, never by multiplying with zero (0 * NaN = NaN).
+Rewrite passes replace ``sq_p`` and ``S_p`` for the parameters they match; ``G_p`` then becomes
+dead and is never materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from opake_compile.compiler._graph_utils import Emitter, set_role, shape, val
+from opake_compile.compiler.passes._base import PassReport
+
+aten = torch.ops.aten
+
+__all__ = ["insert_clipping", "accumulation_dtype", "emit_masked", "emit_weighted_sum"]
+
+
+def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """float64 if any gradient is float64, else float32 (low precision is promoted)."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def emit_masked(em: Emitter, kept: fx.Node, x: fx.Node) -> fx.Node:
+    """``where(kept[i], x[i], 0)`` for x of shape (P, ...)."""
+    p = shape(x)
+    k = em(aten.view.default, kept, [p[0]] + [1] * (len(p) - 1))
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=val(x).dtype)
+    return em(aten.where.self, k, x, zero)
+
+
+def emit_weighted_sum(em: Emitter, factor: fx.Node, g: fx.Node, out_shape: list[int]) -> fx.Node:
+    """``sum_i factor[i] * g[i]`` as one matrix product, viewed to ``out_shape``."""
+    p = shape(g)
+    flat = em(aten.reshape.default, g, [p[0], -1])
+    flat = em(aten._to_copy.default, flat, dtype=val(factor).dtype) if val(flat).dtype != val(factor).dtype else flat
+    row = em(aten.view.default, factor, [1, p[0]])
+    summed = em(aten.mm.default, row, flat)
+    out = em(aten.view.default, summed, out_shape)
+    return out
+
+
+def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_input: int) -> PassReport:
+    """Rewrite the per-example gradient outputs into norms and a clipped sum (in place).
+
+    Args:
+        gm: the traced graph of stage 1.
+        param_names: the trainable parameter names, in output order.
+        clip_input: the index of the clipping-norm placeholder; the mask placeholder follows it.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    losses, *grads = out_node.args[0]
+    n_params = len(param_names)
+    assert len(grads) == n_params, "trace/clip layout mismatch"
+    c_node, mask_node = placeholders[clip_input], placeholders[clip_input + 1]
+    em = Emitter(graph, before=out_node)
+    acc = accumulation_dtype([val(g).dtype for g in grads])
+    total = None
+    for name, g in zip(param_names, grads):
+        p = shape(g)
+        flat = em(aten.reshape.default, g, [p[0], -1])
+        if val(flat).dtype != acc:
+            flat = em(aten._to_copy.default, flat, dtype=acc)
+        sq = set_role(em(aten.sum.dim_IntList, em(aten.mul.Tensor, flat, flat), [1]), "sq_norm", name)
+        total = sq if total is None else em(aten.add.Tensor, total, sq)
+    norms = em(aten.sqrt.default, total)
+    finite = em(aten.isfinite.default, norms)
+    kept = set_role(em(aten.logical_and.default, finite, mask_node), "kept", "")
+    c_acc = em(aten._to_copy.default, c_node, dtype=acc)
+    ratio = em(aten.clamp_max.default, em(aten.div.Tensor, c_acc, norms), 1.0)
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    factor = set_role(em(aten.where.self, kept, ratio, zero), "clip_factor", "")
+    sums = []
+    for name, g in zip(param_names, grads):
+        p = shape(g)
+        summed = emit_weighted_sum(em, factor, emit_masked(em, kept, g), list(p[1:]))
+        if val(summed).dtype != val(g).dtype:
+            summed = em(aten._to_copy.default, summed, dtype=val(g).dtype)
+        sums.append(set_role(summed, "clipped_sum", name))
+    out_node.args = ((losses, norms, kept, *sums),)
+    return PassReport(
+        name="insert_clipping",
+        modified=True,
+        matches={"clipped_parameters": n_params},
+        coverage={n: "materialized" for n in param_names},
+    )
+

@@ -1,0 +1,396 @@
+"""``compile_dp``: the compiled per-example DP step, tying the three stages together.
+
+trace (:mod:`.trace`) -> passes (:mod:`.passes`) -> lower (:mod:`.lower`), plus what makes a
+compiled graph usable with Poisson sampling: every logical batch is split into chunks of a
+fixed physical size P, each padded with a 0/1 mask (padded rows contribute exactly zero), so the
+graph never recompiles for a new batch size; the chunks' clipped sums are added, and the
+optimizer receives one :class:`ClippedPytree` per logical batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.nn as nn
+
+from opake_compile import random as _random
+from opake_compile._markers import reject_dp_output
+from opake_compile._validate import check_clipping_norm, check_positive_int
+from opake_compile.compiler.lower import CompileCounter, lower
+from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
+from opake_compile.compiler.trace import TracedGraph, trace_per_example_grads
+from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.exceptions import ConfigurationError, InputTypeError
+
+__all__ = ["DPStep", "DPStepResult", "compile_dp"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DPStepResult:
+    """What one call of a :class:`DPStep` returns.
+
+    Attributes:
+        loss: **not privatised.** 0-d tensor: the mean per-example loss over the real examples
+            (NaN for an empty batch). For a mean-reduced batch loss this is the batch loss.
+        clipped: the :class:`ClippedPytree` (unnormalised sum of clipped per-example gradients
+            of the trainable parameters, keyed like ``named_parameters()``).
+        coverage: parameter name -> the path its per-example gradient took
+            (``"materialized"`` or a rewrite rule such as ``"ghost:linear"``).
+    """
+
+    loss: torch.Tensor
+    clipped: ClippedPytree
+    coverage: Mapping[str, str]
+
+
+@dataclasses.dataclass
+class _Compiled:
+    traced: TracedGraph
+    reports: list[PassReport]
+    coverage: dict[str, str]
+    fn: Callable[..., Any]
+
+
+def _default_physical_batch_size(n: int) -> int:
+    # Room for Poisson fluctuation (about 3 standard deviations of Binomial(N, q) ~ sqrt(n)),
+    # rounded up to a multiple of 8.
+    return max(8, int(math.ceil((n + 3 * math.sqrt(n)) / 8.0)) * 8)
+
+
+class DPStep:
+    """A compiled DP-SGD gradient step. Build it with :func:`compile_dp`.
+
+    Call it with the positional arguments of the loss, without the model:
+    ``step(*args) -> DPStepResult``.
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        model: nn.Module,
+        clipping_norm: Any,
+        batch_argnums: Sequence[int] | int | None,
+        physical_batch_size: int | None,
+        backend: str | Callable[..., Any] | None,
+        key: Any,
+        rewrites: Sequence[Callable[..., PassReport]] | None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InputTypeError(f"Expected model to be a torch.nn.Module, got {type(model).__name__}.")
+        if not callable(loss_fn):
+            raise InputTypeError(f"Expected loss_fn to be callable, got {type(loss_fn).__name__}.")
+        self.loss_fn = loss_fn
+        self.model = model
+        self.clipping_norm = check_clipping_norm(clipping_norm)
+        if batch_argnums is not None:
+            batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in batch_argnums):
+                raise InputTypeError(f"Expected batch_argnums to be non-negative ints, got {batch_argnums!r}.")
+        self.batch_argnums = batch_argnums
+        self.physical_batch_size = (
+            None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
+        )
+        self.backend = backend
+        self._key = _random.random_key() if key is None else key
+        self._rewrites = list(rewrites) if rewrites is not None else _default_rewrites()
+        self._cache: dict[Any, _Compiled] = {}
+        self._counter = CompileCounter(backend) if backend is not None else None
+        self.num_traces = 0
+
+    # ------------------------------------------------------------------ public
+    @property
+    def num_backend_compiles(self) -> int:
+        """How many graphs the backend compiled for this step (recompiles included)."""
+        return 0 if self._counter is None else self._counter.count
+
+    def __call__(self, *args: Any, **kwargs: Any) -> DPStepResult:
+        if kwargs:
+            raise InputTypeError(
+                f"DPStep takes the loss's positional arguments only; got keyword(s) {sorted(kwargs)}. "
+                "Pass them positionally (batched ones as named by batch_argnums)."
+            )
+        for i, a in enumerate(args):
+            reject_dp_output(a, where=f"argument {i}")
+        batched = self._batched_positions(len(args))
+        n = self._batch_size(args, batched)
+        params = dict(self.model.named_parameters())
+        trainable = tuple(k for k, p in params.items() if p.requires_grad)
+        if not trainable:
+            raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
+        if n == 0:
+            return self._empty_result(params, trainable)
+        if self.physical_batch_size is None:
+            self.physical_batch_size = _default_physical_batch_size(n)
+        p = self.physical_batch_size
+        compiled = self._get_compiled(args, batched, trainable, p)
+        return self._run(compiled, args, batched, n, params, trainable)
+
+    def explain(self, *, file: Any = None) -> str:
+        """Print (and return) which path each trainable parameter took, and what each pass did."""
+        lines = [f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, backend={self.backend!r})"]
+        if not self._cache:
+            lines.append("  not traced yet: call the step once.")
+        for i, c in enumerate(self._cache.values()):
+            lines.append(f"  graph {i}:")
+            width = max(len(k) for k in c.coverage)
+            for name, path in c.coverage.items():
+                lines.append(f"    {name:<{width}}  {path}")
+            for r in c.reports:
+                matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"
+                lines.append(f"    pass {r.name}: {matched}")
+        text = "\n".join(lines)
+        print(text, file=file)
+        return text
+
+    @property
+    def coverage(self) -> dict[str, str]:
+        """Parameter name -> path, for the most recently built graph ({} before the first call)."""
+        if not self._cache:
+            return {}
+        return dict(list(self._cache.values())[-1].coverage)
+
+    # ----------------------------------------------------------------- private
+    def _batched_positions(self, nargs: int) -> tuple[int, ...]:
+        if self.batch_argnums is None:
+            return tuple(range(nargs))
+        bad = [i for i in self.batch_argnums if i >= nargs]
+        if bad:
+            raise ConfigurationError(f"batch_argnums names argument(s) {bad}, but the step got {nargs} argument(s).")
+        return self.batch_argnums
+
+    @staticmethod
+    def _batch_size(args: tuple, batched: tuple[int, ...]) -> int:
+        sizes: dict[int, set[int]] = {}
+        for i in batched:
+            leaves = [l for l in optree.tree_leaves(args[i]) if isinstance(l, torch.Tensor)]
+            if not leaves:
+                raise InputTypeError(f"Batched argument {i} holds no tensor (set batch_argnums to exclude it).")
+            for leaf in leaves:
+                if leaf.dim() == 0:
+                    raise ConfigurationError(f"Batched argument {i} holds a 0-d tensor: it has no batch dimension.")
+                sizes.setdefault(int(leaf.shape[0]), set()).add(i)
+        if not sizes:
+            raise ConfigurationError("The step needs at least one batched argument.")
+        if len(sizes) > 1:
+            detail = ", ".join(f"size {s} in argument(s) {sorted(v)}" for s, v in sorted(sizes.items()))
+            raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
+        return next(iter(sizes))
+
+    def _signature(self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int) -> Any:
+        paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
+        parts = []
+        for path, leaf in zip(paths, leaves):
+            if isinstance(leaf, torch.Tensor):
+                dims = tuple(leaf.shape[1:]) if path[0] in batched else tuple(leaf.shape)
+                parts.append((path[0] in batched, leaf.dtype, dims, leaf.device.type))
+            else:
+                try:
+                    hash(leaf)
+                    parts.append(("const", leaf))
+                except TypeError:
+                    parts.append(("const", repr(leaf)))
+        model_state = tuple((n, q.dtype, tuple(q.shape)) for n, q in self.model.named_parameters())
+        modes = tuple(m.training for m in self.model.modules())
+        return (treedef, tuple(parts), trainable, model_state, modes, p)
+
+    def _get_compiled(self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int) -> _Compiled:
+        sig = self._signature(args, batched, trainable, p)
+        hit = self._cache.get(sig)
+        if hit is not None:
+            return hit
+        example = _pad_args(args, batched, 0, min(p, self._batch_size(args, batched)), p)
+        traced = trace_per_example_grads(
+            self.model, self.loss_fn, example, batched_positions=batched, physical_batch_size=p
+        )
+        self.num_traces += 1
+        layout = traced.layout
+        clip_input = len(layout.trainable) + len(layout.others)
+        passes = [lambda gm: insert_clipping(gm, param_names=layout.trainable, clip_input=clip_input)]
+        passes += self._rewrites
+        reports = run_pipeline(traced.gm, passes)
+        coverage: dict[str, str] = {}
+        for r in reports:
+            coverage.update(r.coverage)
+        fn = lower(traced.gm, self.backend, self._counter)
+        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn)
+        self._cache[sig] = compiled
+        return compiled
+
+    def _run(
+        self,
+        compiled: _Compiled,
+        args: tuple,
+        batched: tuple[int, ...],
+        n: int,
+        params: dict[str, torch.Tensor],
+        trainable: tuple[str, ...],
+    ) -> DPStepResult:
+        layout = compiled.traced.layout
+        p = layout.physical_batch_size
+        buffers = dict(self.model.named_buffers())
+        state = [params[k].detach() for k in layout.trainable]
+        for key in layout.others:
+            kind, name = key.split(":", 1)
+            state.append((params if kind == "param" else buffers)[name].detach())
+        device = state[0].device
+        clip = torch.tensor(self.clipping_norm, dtype=torch.float64, device=device)
+        sums: list[torch.Tensor] | None = None
+        norms, losses, kept_all = [], [], []
+        for start in range(0, n, p):
+            m = min(p, n - start)
+            chunk = _pad_args(args, batched, start, m, p)
+            mask = torch.zeros(p, dtype=torch.bool, device=device)
+            mask[:m] = True
+            leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
+            with torch.no_grad(), self._rng_scope(compiled, device):
+                out = compiled.fn(*state, clip, mask, *leaves)
+            loss_c, norm_c, kept_c, *sum_c = out
+            losses.append(loss_c[:m])
+            norms.append(norm_c[:m])
+            kept_all.append(kept_c[:m])
+            sums = list(sum_c) if sums is None else [a + b for a, b in zip(sums, sum_c)]
+        kept = torch.cat(kept_all)
+        clipped = ClippedPytree(
+            grads=dict(zip(layout.trainable, sums)),
+            clipping_norm=self.clipping_norm,
+            per_example_norms=torch.cat(norms),
+            num_examples=n,
+            num_nonfinite=int(n - int(kept.sum())),
+            parameters={k: params[k] for k in layout.trainable},
+        )
+        loss = torch.cat(losses).mean()
+        return DPStepResult(loss=loss, clipped=clipped, coverage=dict(compiled.coverage))
+
+    def _rng_scope(self, compiled: _Compiled, device: torch.device) -> contextlib.AbstractContextManager:
+        """Random ops in the loss (dropout) draw from a seed derived from the step's key, in a
+        scope that restores the global generator afterwards; each example draws independent
+        randomness (``vmap(randomness="different")``)."""
+        if not compiled.traced.has_randomness:
+            return contextlib.nullcontext()
+        self._key, draw = _random.split(self._key, 2)
+        seed = _random.generator_from_key(draw).initial_seed()
+        devices = [device] if device.type == "cuda" else []
+
+        @contextlib.contextmanager
+        def scope():
+            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+                torch.manual_seed(seed)
+                yield
+
+        return scope()
+
+    def _empty_result(self, params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> DPStepResult:
+        device = params[trainable[0]].device
+        clipped = ClippedPytree(
+            grads={k: torch.zeros_like(params[k], memory_format=torch.contiguous_format).detach() for k in trainable},
+            clipping_norm=self.clipping_norm,
+            per_example_norms=torch.zeros(0, device=device),
+            num_examples=0,
+            parameters={k: params[k] for k in trainable},
+        )
+        coverage = self.coverage or {k: "empty batch" for k in trainable}
+        return DPStepResult(loss=torch.tensor(float("nan"), device=device), clipped=clipped, coverage=coverage)
+
+
+def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
+    """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows."""
+
+    def pad(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        rows = x[start : start + m]
+        if m == p:
+            return rows
+        fill = rows.new_zeros((p - m, *x.shape[1:]))
+        return torch.cat([rows, fill], dim=0)
+
+    return tuple(optree.tree_map(pad, a, none_is_leaf=True) if i in batched else a for i, a in enumerate(args))
+
+
+def _default_rewrites() -> list[Callable[..., PassReport]]:
+    return []
+
+
+def compile_dp(
+    loss_fn: Callable[..., Any] | None = None,
+    *,
+    model: nn.Module,
+    clipping_norm: Any,
+    batch_argnums: Sequence[int] | int | None = None,
+    physical_batch_size: int | None = None,
+    backend: str | Callable[..., Any] | None = "inductor",
+    key: Any = None,
+    rewrites: Sequence[Callable[..., PassReport]] | None = None,
+) -> DPStep | Callable[[Callable[..., Any]], DPStep]:
+    """Compile a batch loss into a DP-SGD step: per-example gradients of the trainable
+    parameters, each clipped to L2 norm ``clipping_norm``, summed (Abadi et al. 2016).
+
+    The loss is written for a whole batch, ``loss_fn(model, *args)``, with mean or sum
+    reduction. The per-example loss is that function on a batch of one; only parameters with
+    ``requires_grad=True`` are differentiated (LoRA, adapters, BitFit: frozen weights cost no
+    gradient). The pipeline traces ``vmap(grad(per-example loss))`` into an ATen graph, inserts
+    norms, clip factors and the weighted sum (then, where rewrite passes match, replaces them
+    with ghost norms and book-keeping, Li et al. 2022 / Bu et al. 2023), and lowers the graph
+    through ``backend``.
+
+    Batches of any size run on one compiled graph: each logical batch is cut into chunks of
+    ``physical_batch_size`` rows, padded with masked rows that contribute exactly zero.
+
+    Args:
+        loss_fn: the batch loss. Omit it to use ``compile_dp`` as a decorator.
+        model: the ``nn.Module`` whose parameters are trained (the ``model`` argument of
+            ``loss_fn``). BatchNorm in training mode is refused (it mixes examples).
+        clipping_norm: C > 0 (L2 norm in gradient units); ``math.inf`` disables clipping and
+            warns that the result is not private.
+        batch_argnums: positions (in ``step(*args)``) of the batched arguments; ``None``: all.
+            Other arguments are broadcast to every example.
+        physical_batch_size: rows per compiled chunk P. Default: set from the first non-empty
+            batch n as n + 3 sqrt(n) rounded up to a multiple of 8.
+        backend: ``"inductor"`` (default), ``"aot_eager"`` (cheap, for tests), any
+            ``torch.compile`` backend, or ``None`` to run the FX graph unlowered.
+        key: an :mod:`opake_compile.random` key for randomness inside the loss (dropout);
+            default: fresh OS entropy.
+        rewrites: the rewrite passes to run after clipping insertion (default: all of the
+            library's). ``[]`` keeps every per-example gradient materialised.
+
+    Returns:
+        A :class:`DPStep`; ``step(*args) -> DPStepResult`` (``loss`` not private,
+        ``clipped``: a :class:`ClippedPytree` of unnormalised sums, ``coverage``).
+
+    Raises:
+        ConfigurationError: C <= 0 or NaN; batched arguments disagree on the batch size.
+        InputTypeError: wrong argument types; no trainable parameter.
+        UnsupportedOperationError: BatchNorm in training mode, or a loss that cannot be traced
+            per example (the message names the module or the failing op).
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> @opake.compile_dp(model=model, clipping_norm=1.0, backend="aot_eager")
+        ... def step(model, x, y):
+        ...     return torch.nn.functional.cross_entropy(model(x), y)
+        >>> out = step(torch.randn(5, 4), torch.randint(0, 2, (5,)))
+        >>> out.clipped.grads["weight"].shape
+        torch.Size([2, 4])
+    """
+
+    def build(fn: Callable[..., Any]) -> DPStep:
+        return DPStep(
+            fn,
+            model=model,
+            clipping_norm=clipping_norm,
+            batch_argnums=batch_argnums,
+            physical_batch_size=physical_batch_size,
+            backend=backend,
+            key=key,
+            rewrites=rewrites,
+        )
+
+    return build if loss_fn is None else build(loss_fn)

@@ -1,0 +1,215 @@
+"""Stage 1 of the pipeline: trace the per-example gradient graph.
+
+Given the user's *batch* loss ``loss_fn(model, *args)``, the per-example loss is the same
+function evaluated on a batch of one. We differentiate it with respect to the trainable
+parameters only (``requires_grad=True``; frozen parameters and buffers are inputs that are never
+differentiated), vectorise over a fixed physical batch of P examples with
+``torch.func.vmap(..., randomness="different")``, and trace the whole computation into an
+ATen-level FX graph with ``make_fx`` in fake mode (no real computation happens).
+
+The traced graph has flat tensor inputs, in this order (see :class:`InputLayout`)::
+
+    trainable params | frozen params and buffers | clipping_norm (0-d) | mask (P,) bool
+    | batched argument leaves (P, ...) | broadcast tensor leaves
+
+and returns ``(per_example_losses (P,), G_1 (P, *shape_1), ..., G_k (P, *shape_k))``: one
+materialised per-example gradient per trainable parameter. The pass stage
+(:mod:`opake_compile.compiler.passes`) turns these into a clipped sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
+
+__all__ = ["InputLayout", "TracedGraph", "check_model_supported", "trace_per_example_grads"]
+
+
+@dataclasses.dataclass(frozen=True)
+class InputLayout:
+    """How the flat graph inputs map back to the user's model and arguments."""
+
+    trainable: tuple[str, ...]
+    others: tuple[str, ...]  # frozen parameter and buffer names (prefixed "param:"/"buffer:")
+    batched_positions: tuple[int, ...]
+    args_treedef: Any  # optree spec of the positional args tuple
+    leaf_kinds: tuple[str, ...]  # per args leaf: "batched" | "broadcast" | "const"
+    const_leaves: tuple[Any, ...]  # the non-tensor leaves, baked into the graph
+    physical_batch_size: int
+
+    @property
+    def num_leading(self) -> int:
+        return len(self.trainable) + len(self.others) + 2
+
+
+@dataclasses.dataclass
+class TracedGraph:
+    """The output of stage 1: the per-example gradient graph and its input layout."""
+
+    gm: fx.GraphModule
+    layout: InputLayout
+    param_shapes: dict[str, tuple[int, ...]]
+    has_randomness: bool
+
+
+class _LossModule(nn.Module):
+    """Holds the user's model as a submodule so that ``functional_call`` can swap its
+    parameters while the user's ``loss_fn(model, *args)`` runs unchanged."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self._loss_fn(self.model, *args)
+
+
+def check_model_supported(model: nn.Module) -> None:
+    """Refuse modules that mix examples or mutate state during the loss.
+
+    Raises:
+        UnsupportedOperationError: a BatchNorm in training mode (its batch statistics mix
+            examples and its running-statistics update would leak every example into a buffer).
+            The message names the module.
+    """
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
+            raise UnsupportedOperationError(
+                f"Module {name or '<root>'!r} ({type(mod).__name__}) is in training mode: batch "
+                "normalisation mixes examples, so per-example gradients are not defined. Use "
+                "GroupNorm/LayerNorm, or call .eval() on it to use fixed running statistics."
+            )
+
+
+def _split_args(
+    args: tuple, batched_positions: Sequence[int]
+) -> tuple[list[Any], Any, list[str], list[Any]]:
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)
+    paths = optree.tree_paths(args, none_is_leaf=True)
+    kinds = []
+    for path, leaf in zip(paths, leaves):
+        if isinstance(leaf, torch.Tensor):
+            kinds.append("batched" if path[0] in batched_positions else "broadcast")
+        else:
+            kinds.append("const")
+    return leaves, treedef, kinds, paths
+
+
+def trace_per_example_grads(
+    model: nn.Module,
+    loss_fn: Callable[..., Any],
+    args: tuple,
+    *,
+    batched_positions: Sequence[int],
+    physical_batch_size: int,
+) -> TracedGraph:
+    """Trace ``vmap(grad(per-example loss))`` over the trainable parameters into ATen FX.
+
+    Args:
+        model: the user's module; its current ``requires_grad`` flags define the trainable
+            partition.
+        loss_fn: ``loss_fn(model, *args) -> scalar`` written for a whole batch.
+        args: example positional arguments; batched tensors must already be padded to
+            ``physical_batch_size`` along dim 0 (only shapes and dtypes are used).
+        batched_positions: positions of ``args`` whose tensor leaves carry the batch.
+        physical_batch_size: P, the fixed batch the graph is traced for.
+
+    Raises:
+        UnsupportedOperationError: tracing failed (data-dependent control flow, an op without
+            a fake/vmap implementation, a non-scalar loss, ...). The message says which.
+        InputTypeError: no trainable parameter.
+    """
+    check_model_supported(model)
+    named = dict(model.named_parameters())
+    trainable = tuple(n for n, p in named.items() if p.requires_grad)
+    if not trainable:
+        raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
+    frozen = tuple(n for n, p in named.items() if not p.requires_grad)
+    buffers = tuple(n for n, _ in model.named_buffers())
+    others = tuple(f"param:{n}" for n in frozen) + tuple(f"buffer:{n}" for n in buffers)
+
+    leaves, treedef, kinds, _ = _split_args(args, batched_positions)
+    const_leaves = tuple(l for l, k in zip(leaves, kinds) if k == "const")
+    layout = InputLayout(
+        trainable=trainable,
+        others=others,
+        batched_positions=tuple(batched_positions),
+        args_treedef=treedef,
+        leaf_kinds=tuple(kinds),
+        const_leaves=const_leaves,
+        physical_batch_size=physical_batch_size,
+    )
+    wrapper = _LossModule(model, loss_fn)
+    n_tr, n_ot = len(trainable), len(others)
+    tensor_kinds = [k for k in kinds if k != "const"]
+
+    def rebuild_args(tensor_leaves: Sequence[Any]) -> tuple:
+        it_t, it_c = iter(tensor_leaves), iter(const_leaves)
+        flat = [next(it_c) if k == "const" else next(it_t) for k in kinds]
+        return optree.tree_unflatten(treedef, flat)
+
+    def per_example_loss(train: dict[str, torch.Tensor], other_vals: Sequence[torch.Tensor], *tensor_leaves: torch.Tensor) -> torch.Tensor:
+        leaves_b1 = [
+            t.unsqueeze(0) if k == "batched" else t for t, k in zip(tensor_leaves, tensor_kinds)
+        ]
+        state = {f"model.{n}": v for n, v in train.items()}
+        for key, v in zip(others, other_vals):
+            state["model." + key.split(":", 1)[1]] = v
+        loss = torch.func.functional_call(wrapper, state, rebuild_args(leaves_b1))
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise UnsupportedOperationError(
+                f"loss_fn must return a scalar tensor for a batch (mean or sum reduction); got {got}."
+            )
+        return loss
+
+    in_dims = (None, None, *[0 if k == "batched" else None for k in tensor_kinds])
+    per_example = torch.func.vmap(
+        torch.func.grad_and_value(per_example_loss), in_dims=in_dims, randomness="different"
+    )
+
+    def graph_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        train = dict(zip(trainable, flat[:n_tr]))
+        other_vals = flat[n_tr : n_tr + n_ot]
+        tensor_leaves = flat[n_tr + n_ot + 2 :]
+        grads, losses = per_example(train, other_vals, *tensor_leaves)
+        return (losses, *[grads[n] for n in trainable])
+
+    state_tensors = [named[n].detach() for n in trainable]
+    state_tensors += [named[n].detach() for n in frozen]
+    state_tensors += [b.detach() for _, b in model.named_buffers()]
+    clip = torch.zeros((), dtype=torch.float64)
+    mask = torch.zeros(physical_batch_size, dtype=torch.bool)
+    tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
+    try:
+        gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
+            *state_tensors, clip, mask, *tensor_leaves
+        )
+    except UnsupportedOperationError:
+        raise
+    except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
+        raise UnsupportedOperationError(
+            f"Could not trace the per-example gradient of loss_fn ({type(err).__name__}: {err}). "
+            "compile_dp needs a loss whose operations are traceable without looking at data "
+            "values (no Python branches on tensor values, no .item()) and have vmap rules."
+        ) from err
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    has_random = any(
+        n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and torch.Tag.nondeterministic_seeded in n.target.tags
+        for n in gm.graph.nodes
+    )
+    shapes = {n: tuple(named[n].shape) for n in trainable}
+    return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random)

@@ -1,0 +1,78 @@
+"""Typed results of the DP pipeline: ``ClippedPytree`` and ``NoisedPytree``.
+
+Both are frozen dataclasses deriving from :class:`~opake_compile._markers.DPOutput` and are
+deliberately *not* registered as pytree nodes: the pytree helpers refuse them, so a clipped or
+noised result cannot be fed back into pytree maths (re-clipped, re-normed) by accident.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from opake_compile._markers import DPOutput
+
+__all__ = ["ClippedPytree", "NoisedPytree"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClippedPytree(DPOutput):
+    """The clipped sum of per-example gradients (or of any per-example outputs).
+
+    Attributes:
+        grads: the **unnormalised sum** over the real examples of the per-example gradients,
+            each clipped to L2 norm ``clipping_norm`` over all its leaves together. For
+            ``compile_dp`` a dict keyed like ``named_parameters()`` of the trainable partition;
+            for the eager ``clipped_grad`` the structure of the differentiated argument. When
+            ``normalize_by`` is set, the sum has been divided by it (eager convenience only).
+        clipping_norm: C as a Python float (L2 norm, gradient units). The sensitivity of the
+            sum to adding or removing one example is C.
+        per_example_norms: **not privatised.** Shape ``(batch,)``: each example's global L2
+            norm before clipping (padded positions of a compiled step are excluded).
+        num_examples: **not privatised.** The realised number of real examples summed.
+        normalize_by: the divisor applied to ``grads`` or ``None`` (the optimizer wrapper
+            refuses a normalised input).
+        num_nonfinite: **not privatised.** How many examples had a non-finite gradient and so
+            contributed exactly zero (selected away, never multiplied by zero).
+        aux: **not privatised.** Per-example auxiliary outputs (``has_aux=True``) or ``None``.
+        parameters: the tensors ``grads`` belong to, keyed like ``grads`` (set by
+            ``compile_dp`` and by ``clipped_grad`` on a dict of parameters), so that
+            ``DPOptimizer`` maps gradients to parameters without trusting an ordering.
+    """
+
+    grads: Any
+    clipping_norm: float
+    per_example_norms: torch.Tensor
+    num_examples: int
+    normalize_by: float | None = None
+    num_nonfinite: int = 0
+    aux: Any = None
+    parameters: Mapping[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        """Alias of :attr:`num_examples` (the realised, non-private batch size)."""
+        return self.num_examples
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NoisedPytree(DPOutput):
+    """A clipped sum with Gaussian noise added: a differentially private release.
+
+    Attributes:
+        grads: ``(sum of clipped gradients + N(0, (noise_multiplier * clipping_norm)^2))`` per
+            entry, divided by ``normalize_by`` when set.
+        clipping_norm: C, copied from the ``ClippedPytree``.
+        noise_multiplier: sigma.
+        noise_std: sigma * C, the standard deviation of the noise added to the *sum*.
+        normalize_by: the divisor applied after adding noise, or ``None``.
+    """
+
+    grads: Any
+    clipping_norm: float
+    noise_multiplier: float
+    noise_std: float
+    normalize_by: float | None = None

@@ -1,0 +1,507 @@
+"""Per-example clipping: the eager reference of the DP transform.
+
+DP-SGD (Abadi et al. 2016, "Deep Learning with Differential Privacy") bounds each example's
+influence by clipping its gradient g_i to L2 norm C, ``g_i * min(1, C / ||g_i||)``, and sums the
+clipped gradients; Gaussian noise of standard deviation sigma * C on that sum then gives
+differential privacy. This module is the slow, obviously right implementation the compiled
+transform (:func:`opake_compile.compile_dp`) is verified against.
+
+Edge cases, shared by every function here:
+
+=========================  ==========================================================
+C = inf                    allowed; no clipping; warns ``NotPrivateWarning``
+C <= 0, NaN                ``ConfigurationError``
+zero gradient              clip factor 1 (C / 0 = inf, clamped to 1); contributes 0
+non-finite gradient        the example contributes exactly zero (a ``where`` select,
+                           never a multiplication: 0 * NaN = NaN) and is counted in
+                           ``num_nonfinite``. An example whose squared norm overflows
+                           counts as non-finite too (it fails closed).
+empty batch                a zero sum of the right shapes; ``num_examples = 0``
+=========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from opake_compile import pytree as _pt
+from opake_compile._markers import reject_dp_output
+from opake_compile._validate import NotPrivateWarning, check_clipping_norm
+from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.exceptions import ConfigurationError, InputTypeError
+
+__all__ = [
+    "ClippedPytree",
+    "ClipState",
+    "AdaptiveClipState",
+    "clip_pytree",
+    "clipped_grad",
+    "clipped_fun",
+    "adaptive_clipped_grad",
+    "auto_clipped_grad",
+    "per_example_global_norms",
+    "clip_and_sum",
+]
+
+
+class ClipState(NamedTuple):
+    """State of :func:`clipped_grad` / :func:`clipped_fun`: the clipping norm in use."""
+
+    clipping_norm: float
+
+
+class AdaptiveClipState(NamedTuple):
+    """State of :func:`adaptive_clipped_grad`: the current clipping norm and the key that
+    draws the noise on the clipped-fraction count."""
+
+    clipping_norm: float
+    key: Any
+
+
+def clip_pytree(tree: Any, clipping_norm: Any) -> tuple[Any, torch.Tensor]:
+    """Clip a whole tree to global L2 norm ``clipping_norm``.
+
+    Every leaf is scaled by the same factor ``s = min(1, C / ||tree||)``, where ``||tree||`` is
+    :func:`opake_compile.pytree.global_norm`. A tree already within C comes back unchanged.
+
+    Args:
+        tree: a pytree of tensors of any shapes and floating dtypes.
+        clipping_norm: C > 0 (int, float, or 0-d tensor; a tensor C works under
+            ``torch.compile`` and is not checked with Python branches there).
+
+    Returns:
+        ``(clipped_tree, norm)``: leaves keep shape and dtype; ``norm`` is the 0-d global norm
+        before clipping (accumulated in at least float32).
+
+    Raises:
+        ConfigurationError: C <= 0 or NaN (Python number or eager tensor).
+        InputTypeError: C is not a number, or ``tree`` is a DP output wrapper.
+
+    Example::
+
+        >>> clipped, norm = clip_pytree({"w": torch.tensor([3.0, 0.0]), "b": torch.tensor(4.0)}, 1.0)
+        >>> clipped["w"], float(norm)
+        (tensor([0.6000, 0.0000]), 5.0)
+    """
+    reject_dp_output(tree, where="clip_pytree")
+    if not (isinstance(clipping_norm, torch.Tensor) and torch.compiler.is_compiling()):
+        check_clipping_norm(clipping_norm)
+    norm = _pt.global_norm(tree)
+    c = clipping_norm.to(norm) if isinstance(clipping_norm, torch.Tensor) else clipping_norm
+    scale = torch.where(norm <= c, torch.ones_like(norm), c / norm)
+    clipped = optree.tree_map(
+        lambda x: (x * scale.to(x.dtype)) if isinstance(x, torch.Tensor) else x, tree
+    )
+    return clipped, norm
+
+
+def per_example_global_norms(per_example_tree: Any) -> torch.Tensor:
+    """Global L2 norms of a batch of per-example trees.
+
+    Args:
+        per_example_tree: a pytree whose tensor leaves all have a leading batch dimension B.
+
+    Returns:
+        Shape ``(B,)``, ``sqrt(sum over leaves and entries of g_i^2)``, accumulated in at least
+        float32 (float64 if any leaf is float64).
+    """
+    leaves = _pt.tree_leaves(per_example_tree)
+    if not leaves:
+        raise InputTypeError("per_example_global_norms needs at least one tensor leaf.")
+    acc = torch.float64 if any(l.dtype in (torch.float64, torch.complex128) for l in leaves) else torch.float32
+    total = None
+    for leaf in leaves:
+        x = leaf.abs() if leaf.dtype.is_complex else leaf
+        sq = x.to(acc).reshape(x.shape[0], -1).square().sum(dim=1)
+        total = sq if total is None else total + sq
+    return total.sqrt()
+
+
+def clip_and_sum(
+    per_example_tree: Any, clipping_norm: float, mask: torch.Tensor | None = None
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Clip each example of a batched tree to ``clipping_norm`` and sum over the batch.
+
+    Args:
+        per_example_tree: pytree of tensors of shape ``(B, *leaf_shape)``.
+        clipping_norm: C > 0 or ``math.inf`` (already validated).
+        mask: optional bool ``(B,)``; ``False`` rows contribute exactly zero (padding).
+
+    Returns:
+        ``(summed_tree, norms, kept)``: leaves of shape ``leaf_shape`` and the input dtype,
+        the ``(B,)`` norms before clipping, and the bool ``(B,)`` of rows that contributed
+        (finite norm and in the mask).
+    """
+    norms = per_example_global_norms(per_example_tree)
+    kept = torch.isfinite(norms)
+    if mask is not None:
+        kept = kept & mask.to(device=norms.device, dtype=torch.bool)
+    factor = torch.clamp(clipping_norm / norms, max=1.0)
+    factor = torch.where(kept, factor, torch.zeros_like(factor))
+
+    def weighted_sum(g: torch.Tensor) -> torch.Tensor:
+        shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
+        selected = torch.where(shaped, g, torch.zeros_like(g))
+        f = factor.reshape(-1, *([1] * (g.dim() - 1)))
+        return (selected.to(factor.dtype) * f).sum(dim=0).to(g.dtype)
+
+    return optree.tree_map(weighted_sum, per_example_tree), norms, kept
+
+
+def _normalise_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
+    if isinstance(value, bool):
+        raise InputTypeError(f"Expected {name} to be an int or a tuple of ints, got {value!r}.")
+    if isinstance(value, int):
+        return (value,)
+    try:
+        out = tuple(value)
+    except TypeError:
+        raise InputTypeError(f"Expected {name} to be an int or a tuple of ints, got {value!r}.") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise InputTypeError(f"Expected {name} to be an int or a tuple of ints, got {value!r}.")
+    return out
+
+
+def _batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
+    sizes: dict[int, list[int]] = {}
+    for i in batch_argnums:
+        if i >= len(args):
+            raise ConfigurationError(f"batch_argnums names argument {i}, but only {len(args)} were passed.")
+        reject_dp_output(args[i], where=f"argument {i}")
+        leaves = _pt.tree_leaves(args[i])
+        if not leaves:
+            raise InputTypeError(f"Batched argument {i} holds no tensor.")
+        for leaf in leaves:
+            if leaf.dim() == 0:
+                raise ConfigurationError(f"Batched argument {i} has a 0-d tensor: it has no batch dimension.")
+            sizes.setdefault(leaf.shape[0], []).append(i)
+    if not sizes:
+        raise ConfigurationError("clipped_grad needs at least one batched argument (batch_argnums).")
+    if len(sizes) > 1:
+        detail = ", ".join(f"size {s} in argument(s) {sorted(set(v))}" for s, v in sorted(sizes.items()))
+        raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
+    return next(iter(sizes))
+
+
+def _check_normalize_by(normalize_by: Any) -> float | None:
+    if normalize_by is None:
+        return None
+    if isinstance(normalize_by, bool) or not isinstance(normalize_by, (int, float)):
+        raise InputTypeError(f"Expected normalize_by to be a number or None, got {type(normalize_by).__name__}.")
+    if not (normalize_by > 0 and math.isfinite(normalize_by)):
+        raise ConfigurationError(f"Expected normalize_by={normalize_by!r} to be finite and > 0.")
+    return float(normalize_by)
+
+
+def _per_example_outputs(
+    fun: Callable[..., Any],
+    args: tuple,
+    batch_argnums: tuple[int, ...],
+    keep_batch_dim: bool,
+) -> Any:
+    """vmap ``fun`` over the batched arguments; each example sees a batch of one when
+    ``keep_batch_dim`` (the user's batch code runs unchanged)."""
+
+    def per_example(*a):
+        if keep_batch_dim:
+            a = tuple(
+                optree.tree_map(lambda t: t.unsqueeze(0) if isinstance(t, torch.Tensor) else t, x)
+                if i in batch_argnums
+                else x
+                for i, x in enumerate(a)
+            )
+        return fun(*a)
+
+    in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
+    return torch.func.vmap(per_example, in_dims=in_dims, randomness="different")(*args)
+
+
+def _zeros_like_tree(tree: Any) -> Any:
+    return optree.tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _finish(
+    summed: Any,
+    norms: torch.Tensor,
+    kept: torch.Tensor,
+    clipping_norm: float,
+    normalize_by: float | None,
+    aux: Any = None,
+    parameters: Any = None,
+) -> ClippedPytree:
+    if normalize_by is not None:
+        summed = optree.tree_map(lambda t: t / normalize_by, summed)
+    n = int(norms.shape[0])
+    return ClippedPytree(
+        grads=summed,
+        clipping_norm=clipping_norm,
+        per_example_norms=norms.detach(),
+        num_examples=n,
+        normalize_by=normalize_by,
+        num_nonfinite=int(n - int(kept.sum())),
+        aux=aux,
+        parameters=parameters if isinstance(parameters, dict) else None,
+    )
+
+
+def clipped_fun(
+    fun: Callable[..., Any],
+    *,
+    batch_argnums: int | Sequence[int] = 0,
+    clipping_norm: Any,
+    normalize_by: float | None = None,
+    keep_batch_dim: bool = True,
+) -> tuple[Callable[..., tuple[ClippedPytree, ClipState]], ClipState]:
+    """Clip and sum arbitrary per-example outputs.
+
+    ``fun`` is evaluated once per example (under ``torch.func.vmap``; with ``keep_batch_dim``
+    each example arrives as a batch of one). Each example's output tree is clipped to global
+    L2 norm ``clipping_norm`` and the clipped outputs are summed over the batch.
+
+    Args:
+        fun: ``fun(*args) -> pytree of tensors`` for one example.
+        batch_argnums: positions of the batched arguments (leading dim B).
+        clipping_norm: C > 0 (or ``math.inf``, which warns).
+        normalize_by: optional divisor of the sum (recorded in the result).
+        keep_batch_dim: pass each example with a leading dimension of size 1.
+
+    Returns:
+        ``(fn, state)``; ``fn(*args, state=state) -> (ClippedPytree, state)``.
+
+    Raises:
+        ConfigurationError / InputTypeError: as :func:`clipped_grad`.
+    """
+    c = check_clipping_norm(clipping_norm)
+    norm_by = _check_normalize_by(normalize_by)
+    batch = _normalise_argnums(batch_argnums, "batch_argnums")
+
+    def fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
+        state = ClipState(c) if state is None else state
+        b = _batch_size(args, batch)
+        if b == 0:
+            raise ConfigurationError(
+                "clipped_fun cannot infer its output shapes from an empty batch; skip the call "
+                "or use clipped_grad (whose output has the shape of the parameters)."
+            )
+        outs = _per_example_outputs(fun, args, batch, keep_batch_dim)
+        summed, norms, kept = clip_and_sum(outs, state.clipping_norm)
+        return _finish(summed, norms, kept, state.clipping_norm, norm_by), state
+
+    return fn, ClipState(c)
+
+
+def _grad_and_clip(
+    loss_fn: Callable[..., Any],
+    argnums: int | Sequence[int],
+    batch_argnums: int | Sequence[int],
+    has_aux: bool,
+    keep_batch_dim: bool,
+    transform: Callable[[Any], tuple[Any, torch.Tensor, torch.Tensor]],
+    args: tuple,
+    clipping_norm: float,
+    normalize_by: float | None,
+) -> ClippedPytree:
+    arg_tuple = _normalise_argnums(argnums, "argnums")
+    batch = _normalise_argnums(batch_argnums, "batch_argnums")
+    overlap = set(arg_tuple) & set(batch)
+    if overlap:
+        raise ConfigurationError(f"Arguments {sorted(overlap)} are both differentiated (argnums) and batched (batch_argnums).")
+    for i in arg_tuple:
+        if i >= len(args):
+            raise ConfigurationError(f"argnums names argument {i}, but only {len(args)} were passed.")
+        reject_dp_output(args[i], where=f"argument {i}")
+    b = _batch_size(args, batch)
+    wrt = args[arg_tuple[0]] if isinstance(argnums, int) else tuple(args[i] for i in arg_tuple)
+    if b == 0:
+        zero = _zeros_like_tree(wrt)
+        empty = torch.zeros(0, dtype=torch.float32)
+        return _finish(zero, empty, empty.bool(), clipping_norm, normalize_by, parameters=wrt)
+    grad = torch.func.grad(loss_fn, argnums=argnums, has_aux=has_aux)
+    outs = _per_example_outputs(grad, args, batch, keep_batch_dim)
+    grads, aux = outs if has_aux else (outs, None)
+    summed, norms, kept = transform(grads)
+    return _finish(summed, norms, kept, clipping_norm, normalize_by, aux=aux, parameters=wrt)
+
+
+def clipped_grad(
+    loss_fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    clipping_norm: Any,
+    normalize_by: float | None = None,
+    has_aux: bool = False,
+    keep_batch_dim: bool = True,
+) -> tuple[Callable[..., tuple[ClippedPytree, ClipState]], ClipState]:
+    """Per-example gradients, each clipped to ``clipping_norm``, summed (DP-SGD's clipped sum).
+
+    ``loss_fn`` is differentiated per example (``torch.func.vmap(torch.func.grad(...))``,
+    with independent randomness per example). With ``keep_batch_dim=True`` each example is
+    passed as a batch of one, so an ordinary batch loss (mean or sum reduction) works as is.
+    Each example's gradient with respect to ``args[argnums]`` is clipped over all its leaves
+    together to L2 norm C, and the clipped gradients are summed over the batch (Abadi et al.
+    2016). The sum has sensitivity C: adding or removing one example changes it by at most C.
+
+    Args:
+        loss_fn: ``loss_fn(*args) -> scalar`` (or ``(scalar, aux)`` with ``has_aux``).
+        argnums: which argument(s) to differentiate (a pytree of tensors each).
+        batch_argnums: which arguments carry the batch along dim 0; all must agree on B.
+        clipping_norm: C > 0 as int, float or 0-d tensor; ``math.inf`` disables clipping and
+            warns ``NotPrivateWarning``.
+        normalize_by: optional divisor for eager users (recorded; ``DPOptimizer`` refuses it).
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; the per-example ``aux`` (not private)
+            lands in ``ClippedPytree.aux``.
+        keep_batch_dim: pass each example with a leading batch dimension of size 1.
+
+    Returns:
+        ``(grad_fn, clip_state)`` with ``grad_fn(*args, state=clip_state) ->
+        (ClippedPytree, new_state)``. ``grads`` has the structure of ``args[argnums]`` (a tuple
+        of them for a tuple ``argnums``); ``per_example_norms`` has shape ``(B,)``.
+
+    Raises:
+        ConfigurationError: C <= 0 or NaN, batched arguments with different batch sizes,
+            an argument both differentiated and batched, argnums out of range.
+        InputTypeError: non-numeric C, a DP output wrapper passed as an argument.
+
+    Example::
+
+        >>> def loss(p, x, y):
+        ...     return 0.5 * ((x @ p["w"] + p["b"] - y) ** 2).mean()
+        >>> grad_fn, state = clipped_grad(loss, batch_argnums=(1, 2), clipping_norm=1.0)
+        >>> p = {"w": torch.tensor([1.0, -1.0]), "b": torch.tensor(0.0)}
+        >>> x = torch.tensor([[1.0, 0.0], [2.0, 2.0], [0.0, 3.0]]); y = torch.tensor([0.0, 1.0, 1.0])
+        >>> clipped, state = grad_fn(p, x, y, state=state)
+        >>> clipped.per_example_norms
+        tensor([ 1.4142,  3.0000, 12.6491])
+    """
+    c = check_clipping_norm(clipping_norm)
+    norm_by = _check_normalize_by(normalize_by)
+
+    def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
+        state = ClipState(c) if state is None else state
+        cn = state.clipping_norm
+        result = _grad_and_clip(
+            loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
+            lambda g: clip_and_sum(g, cn), args, cn, norm_by,
+        )
+        return result, state
+
+    return grad_fn, ClipState(c)
+
+
+def adaptive_clipped_grad(
+    loss_fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    initial_clipping_norm: float,
+    key: Any,
+    expected_batch_size: float,
+    target_quantile: float = 0.5,
+    learning_rate: float = 0.2,
+    count_noise_multiplier: float,
+    normalize_by: float | None = None,
+    has_aux: bool = False,
+    keep_batch_dim: bool = True,
+) -> tuple[Callable[..., tuple[ClippedPytree, AdaptiveClipState]], AdaptiveClipState]:
+    """:func:`clipped_grad` with a clipping norm that tracks a quantile of the gradient norms.
+
+    Andrew et al. 2021 ("Differentially Private Learning with Adaptive Clipping"): after each
+    call, with ``b`` the fraction of examples whose norm is at most C, privatised as
+    ``(count + N(0, count_noise_multiplier^2)) / expected_batch_size``, the norm is updated
+    geometrically: ``C <- C * exp(-learning_rate * (b - target_quantile))``.
+
+    Privacy: the noisy count is a second Gaussian query with sensitivity 1 per step; its
+    privacy cost (``count_noise_multiplier``) must be composed into the accounting.
+    ``count_noise_multiplier=0`` warns that the norm update is not private.
+
+    Returns:
+        ``(grad_fn, state)``; the returned state carries the updated C and advanced key.
+    """
+    from opake_compile import random as _random
+
+    c0 = check_clipping_norm(initial_clipping_norm, name="initial_clipping_norm")
+    if math.isinf(c0):
+        raise ConfigurationError("Expected a finite initial_clipping_norm for adaptive clipping.")
+    if not (0.0 <= target_quantile <= 1.0):
+        raise ConfigurationError(f"Expected target_quantile={target_quantile!r} in [0, 1].")
+    if not (expected_batch_size > 0):
+        raise ConfigurationError(f"Expected expected_batch_size={expected_batch_size!r} > 0.")
+    if count_noise_multiplier < 0:
+        raise ConfigurationError(f"Expected count_noise_multiplier={count_noise_multiplier!r} >= 0.")
+    if count_noise_multiplier == 0:
+        warnings.warn("count_noise_multiplier=0: the adaptive clipping norm is not private.", NotPrivateWarning, stacklevel=2)
+    norm_by = _check_normalize_by(normalize_by)
+
+    def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
+        cn = state.clipping_norm
+        result = _grad_and_clip(
+            loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
+            lambda g: clip_and_sum(g, cn), args, cn, norm_by,
+        )
+        next_key, noise_key = _random.split(state.key, 2)
+        gen = _random.generator_from_key(noise_key)
+        below = float((result.per_example_norms <= cn).sum())
+        noisy = below + count_noise_multiplier * float(torch.randn((), generator=gen, dtype=torch.float64))
+        frac = noisy / expected_batch_size
+        new_c = cn * math.exp(-learning_rate * (frac - target_quantile))
+        return result, AdaptiveClipState(new_c, next_key)
+
+    return grad_fn, AdaptiveClipState(c0, key)
+
+
+def auto_clipped_grad(
+    loss_fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    *,
+    batch_argnums: int | Sequence[int] = 1,
+    clipping_norm: float = 1.0,
+    stability_constant: float = 0.01,
+    normalize_by: float | None = None,
+    has_aux: bool = False,
+    keep_batch_dim: bool = True,
+) -> tuple[Callable[..., tuple[ClippedPytree, ClipState]], ClipState]:
+    """Automatic clipping (AUTO-S, Bu et al. 2023, "Automatic Clipping: Differentially Private
+    Deep Learning Made Easier and Stronger"): every example is normalised,
+    ``R * g_i / (||g_i|| + gamma)``, so each has norm below R and the sum has sensitivity R.
+
+    Args:
+        clipping_norm: R, the norm bound (and sensitivity) of each normalised example.
+        stability_constant: gamma > 0; keeps small gradients from being blown up.
+
+    Non-finite examples contribute exactly zero, as in :func:`clipped_grad`.
+    """
+    r = check_clipping_norm(clipping_norm)
+    if math.isinf(r):
+        raise ConfigurationError("Expected a finite clipping_norm for automatic clipping.")
+    if not (stability_constant > 0):
+        raise ConfigurationError(f"Expected stability_constant={stability_constant!r} > 0.")
+    norm_by = _check_normalize_by(normalize_by)
+
+    def normalise_and_sum(grads: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        norms = per_example_global_norms(grads)
+        kept = torch.isfinite(norms)
+        factor = torch.where(kept, r / (norms + stability_constant), torch.zeros_like(norms))
+
+        def wsum(g: torch.Tensor) -> torch.Tensor:
+            shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
+            sel = torch.where(shaped, g, torch.zeros_like(g))
+            return (sel.to(factor.dtype) * factor.reshape(shaped.shape)).sum(0).to(g.dtype)
+
+        return optree.tree_map(wsum, grads), norms, kept
+
+    def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
+        state = ClipState(r) if state is None else state
+        result = _grad_and_clip(
+            loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
+            normalise_and_sum, args, r, norm_by,
+        )
+        return result, state
+
+    return grad_fn, ClipState(r)

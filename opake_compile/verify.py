@@ -1,0 +1,129 @@
+"""``verify``: check a compiled DP step against the eager reference on the user's own model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import optree
+import torch
+
+from opake_compile.compiler.step import DPStep
+from opake_compile.compiler.trace import _LossModule
+from opake_compile.dpsgd.clipping import clipped_grad
+from opake_compile.exceptions import ConfigurationError, InputTypeError
+
+__all__ = ["VerificationReport", "verify"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerificationReport:
+    """Result of :func:`verify`.
+
+    Attributes:
+        max_abs_diff: max over parameters and entries of |compiled - reference| of the clipped sum.
+        tolerance: the tolerance the difference was judged against (dtype-scaled).
+        matches_reference: ``max_abs_diff <= tolerance``.
+        max_removal_change: max over the removed examples i of ||S - S_without_i|| (L2 over all
+            trainable parameters); the sensitivity bound says it is at most C.
+        sensitivity_ok: ``max_removal_change <= C * (1 + tolerance)``.
+        examples_removed: how many examples the sensitivity check removed.
+        coverage: parameter -> path taken in the compiled step.
+    """
+
+    max_abs_diff: float
+    tolerance: float
+    matches_reference: bool
+    max_removal_change: float
+    sensitivity_ok: bool
+    examples_removed: int
+    coverage: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return self.matches_reference and self.sensitivity_ok
+
+    def __str__(self) -> str:
+        return (
+            f"compiled vs eager reference: max |diff| = {self.max_abs_diff:.3g} "
+            f"(tolerance {self.tolerance:.3g}) -> {'OK' if self.matches_reference else 'MISMATCH'}\n"
+            f"sensitivity: max ||S - S_-i|| = {self.max_removal_change:.6g} over {self.examples_removed} "
+            f"removal(s) -> {'OK' if self.sensitivity_ok else 'VIOLATED'}"
+        )
+
+
+def _remove_example(args: tuple, batched: tuple[int, ...], i: int) -> tuple:
+    def drop(x: Any) -> Any:
+        return torch.cat([x[:i], x[i + 1 :]]) if isinstance(x, torch.Tensor) else x
+
+    return tuple(optree.tree_map(drop, a, none_is_leaf=True) if j in batched else a for j, a in enumerate(args))
+
+
+def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None = None) -> VerificationReport:
+    """Run the compiled step and the eager reference on ``args`` and compare.
+
+    The reference is :func:`opake_compile.dpsgd.clipping.clipped_grad` (``vmap(grad)`` in eager
+    mode) of the same per-example loss. The sensitivity check removes each of the first
+    ``max_removals`` examples in turn and measures how much the clipped sum moves (at most C
+    for a correct DP step).
+
+    Args:
+        step: a :class:`DPStep` from ``compile_dp``.
+        *args: one batch, as passed to ``step``.
+        max_removals: how many examples to remove one at a time.
+        rtol: relative tolerance; default ``100 * eps`` of the gradient dtype scaled by the sum's
+            magnitude.
+
+    Raises:
+        InputTypeError: ``step`` is not a ``DPStep``.
+        ConfigurationError: the loss draws randomness (dropout in training mode): the two
+            paths cannot be compared; call ``model.eval()`` for the check.
+    """
+    if not isinstance(step, DPStep):
+        raise InputTypeError(f"verify expects a DPStep from compile_dp, got {type(step).__name__}.")
+    result = step(*args)
+    compiled = list(step._cache.values())[-1] if step._cache else None
+    if compiled is not None and compiled.traced.has_randomness:
+        raise ConfigurationError(
+            "The loss draws randomness (e.g. dropout in training mode), so the compiled and eager "
+            "paths cannot be compared; call model.eval() (or disable the randomness) for verify."
+        )
+    model = step.model
+    batched = step._batched_positions(len(args))
+    named = dict(model.named_parameters())
+    trainable = {k: p.detach() for k, p in named.items() if p.requires_grad}
+    frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}
+    buffers = {k: b for k, b in model.named_buffers()}
+    wrapper = _LossModule(model, step.loss_fn)
+
+    def loss(train: dict[str, torch.Tensor], *a: Any) -> torch.Tensor:
+        state = {f"model.{k}": v for k, v in {**train, **frozen, **buffers}.items()}
+        return torch.func.functional_call(wrapper, state, a)
+
+    grad_fn, state = clipped_grad(loss, 0, batch_argnums=tuple(i + 1 for i in batched), clipping_norm=step.clipping_norm)
+    ref, _ = grad_fn(trainable, *args, state=state)
+    diff, scale = 0.0, 0.0
+    for k, g in result.clipped.grads.items():
+        diff = max(diff, float((g.double() - ref.grads[k].double()).abs().max()))
+        scale = max(scale, float(ref.grads[k].double().abs().max()))
+    dtype = next(iter(result.clipped.grads.values())).dtype
+    eps = torch.finfo(dtype).eps
+    c = step.clipping_norm
+    tol = (rtol if rtol is not None else 100 * eps) * max(1.0, scale, 0.0 if math.isinf(c) else c)
+    n = result.clipped.num_examples
+    removals = min(n, max_removals)
+    worst = 0.0
+    for i in range(removals):
+        reduced = step(*_remove_example(args, batched, i)).clipped.grads
+        sq = sum(float((result.clipped.grads[k].double() - reduced[k].double()).square().sum()) for k in reduced)
+        worst = max(worst, math.sqrt(sq))
+    return VerificationReport(
+        max_abs_diff=diff,
+        tolerance=tol,
+        matches_reference=diff <= tol,
+        max_removal_change=worst,
+        sensitivity_ok=worst <= c * (1 + tol) if not math.isinf(c) else True,
+        examples_removed=removals,
+        coverage=dict(result.coverage),
+    )
