@@ -1,0 +1,258 @@
+"""Poisson subsampling of a dataset, as a ``DataLoader`` batch sampler.
+
+DP-SGD's privacy amplification by subsampling (Abadi et al. 2016, "Deep Learning with
+Differential Privacy"; Mironov, Talwar and Zhang 2019 for the Rényi analysis) assumes that every
+example joins every batch independently with probability q. Shuffling into fixed-size batches is
+a different mechanism, and accounting for it as Poisson overstates the privacy.
+
+Example::
+
+    >>> import torch
+    >>> from torch.utils.data import DataLoader, TensorDataset, default_collate
+    >>> from opake_compile import random as oprandom
+    >>> from opake_compile.functional import empty_collate
+    >>> from opake_compile.sampling import PoissonSampler
+    >>> ds = TensorDataset(torch.randn(100, 3), torch.randint(0, 2, (100,)))
+    >>> sampler = PoissonSampler(len(ds), 0.1, key=oprandom.key(0))
+    >>> loader = DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(default_collate))
+    >>> len(loader)
+    10
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+from opake_compile import random as oprandom
+from opake_compile._validate import check_nonnegative_int, check_positive_int, check_probability
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
+
+__all__ = ["PoissonSampler"]
+
+_STATE_VERSION = 1
+
+
+class PoissonSampler(Sampler[list[int]]):
+    """Batch sampler where every index joins every batch independently with probability q.
+
+    Use it as ``DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(collate))``.
+    Each batch is drawn from its own generator, seeded by
+    ``fold_in(fold_in(key, epoch), step)``: the ``N`` inclusion decisions are one Bernoulli(q)
+    mask (``torch.rand(N) < q``), so batch sizes are Binomial(N, q), vary, and can be empty
+    (probability ``(1-q)**N``). Batches list indices in increasing order. Every ``iter()`` (an
+    epoch) uses the next epoch number, so epochs differ while the whole run is reproducible
+    from ``key``; :meth:`state_dict` saves the epoch counter.
+
+    Truncation: with ``truncated_batch_size=B``, a batch of more than B indices is replaced by a
+    uniformly random subset of exactly B of them (drawn from the same per-batch generator;
+    smaller batches are unchanged). This changes the mechanism: the accountant must use the
+    truncated-Poisson analysis, which is why the cap is exposed as ``truncated_batch_size``.
+    ``expected_batch_size`` stays the untruncated ``q·N``, the normaliser DP-SGD divides by.
+
+    Edge cases: q = 1 puts every index in every batch (no amplification); q = 0 gives only empty
+    batches and then ``steps`` must be given explicitly.
+
+    Args:
+        dataset_size: N, the number of examples (indices ``0..N-1``), >= 1. It must equal the
+            dataset's length; the sampler cannot check that.
+        sample_rate: q in [0, 1].
+        truncated_batch_size: optional cap B >= 1 on the batch size.
+        key: an :class:`opake_compile.random.Key`; use a key not used for anything else (e.g. a
+            :func:`~opake_compile.random.split` child of the run's root key).
+        steps: batches per epoch (``len(sampler)``), >= 1. Default ``max(1, round(1/q))``
+            (Python's ``round``, ties to even), so one epoch visits each example once in
+            expectation; required when q = 0.
+
+    Attributes:
+        dataset_size, sample_rate, truncated_batch_size, steps, key: the configuration
+            (read-only).
+        expected_batch_size: ``q·N`` as a float (read-only).
+        epoch: the number of the next epoch ``iter()`` will start (read-only).
+        is_poisson: ``True``; lets optimizers and accountants recognise the mechanism.
+
+    Raises:
+        InputTypeError: an argument has the wrong type (``key`` not a Key, a non-int size).
+        ConfigurationError: N < 1, q outside [0, 1], B < 1, steps < 1, or q = 0 without steps.
+
+    Example::
+
+        >>> from opake_compile import random as oprandom
+        >>> s = PoissonSampler(1000, 0.01, key=oprandom.key(1))
+        >>> len(s), s.expected_batch_size
+        (100, 10.0)
+        >>> batches = list(s)
+        >>> len(batches)
+        100
+    """
+
+    is_poisson = True
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        truncated_batch_size: int | None = None,
+        *,
+        key: oprandom.Key,
+        steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        self._dataset_size = check_positive_int(dataset_size, name="dataset_size")
+        self._sample_rate = check_probability(sample_rate, name="sample_rate")
+        self._truncated_batch_size = (
+            None
+            if truncated_batch_size is None
+            else check_positive_int(truncated_batch_size, name="truncated_batch_size")
+        )
+        if not isinstance(key, oprandom.Key):
+            raise InputTypeError(
+                f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}."
+            )
+        self._key = key
+        if steps is None:
+            if self._sample_rate == 0.0:
+                raise ConfigurationError(
+                    "sample_rate=0.0 gives only empty batches and no default number of steps; "
+                    "pass steps= explicitly."
+                )
+            steps = max(1, round(1.0 / self._sample_rate))
+        self._steps = check_positive_int(steps, name="steps")
+        self._epoch = 0
+
+    # -- read-only configuration --------------------------------------------------------------
+
+    @property
+    def dataset_size(self) -> int:
+        """N, the number of indices sampled from."""
+        return self._dataset_size
+
+    @property
+    def sample_rate(self) -> float:
+        """q, each index's inclusion probability per batch."""
+        return self._sample_rate
+
+    @property
+    def truncated_batch_size(self) -> int | None:
+        """The cap on the batch size, or ``None`` (plain Poisson)."""
+        return self._truncated_batch_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q·N`` (before truncation), the normaliser of the noisy sum."""
+        return self._sample_rate * self._dataset_size
+
+    @property
+    def steps(self) -> int:
+        """Batches per epoch."""
+        return self._steps
+
+    @property
+    def key(self) -> oprandom.Key:
+        """The root key of this sampler's randomness."""
+        return self._key
+
+    @property
+    def epoch(self) -> int:
+        """The epoch number the next ``iter()`` starts."""
+        return self._epoch
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch = self._epoch
+        self._epoch += 1
+        return self._iterate(epoch)
+
+    def _iterate(self, epoch: int) -> Iterator[list[int]]:
+        epoch_key = oprandom.fold_in(self._key, epoch)
+        for step in range(self._steps):
+            yield self._batch(epoch_key, step)
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        g = oprandom.generator_from_key(oprandom.fold_in(epoch_key, step))
+        mask = torch.rand(self._dataset_size, generator=g, dtype=torch.float64) < self._sample_rate
+        idx = mask.nonzero().flatten()
+        cap = self._truncated_batch_size
+        if cap is not None and idx.numel() > cap:
+            keep = torch.randperm(idx.numel(), generator=g)[:cap]
+            idx = idx[keep.sort().values]
+        return idx.tolist()
+
+    def batch_at(self, epoch: int, step: int) -> list[int]:
+        """The indices of batch ``step`` of epoch ``epoch``, without touching the epoch counter.
+
+        Raises:
+            InputTypeError: a non-int argument.
+            ConfigurationError: ``epoch < 0`` or ``step`` outside ``[0, steps)``.
+        """
+        epoch = check_nonnegative_int(epoch, name="epoch")
+        step = check_nonnegative_int(step, name="step")
+        if step >= self._steps:
+            raise ConfigurationError(f"Expected step={step} < steps={self._steps}.")
+        return self._batch(oprandom.fold_in(self._key, epoch), step)
+
+    # -- checkpointing ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch counter and the configuration it belongs to (plain Python values)."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "key": oprandom.key_to_state(self._key),
+            "dataset_size": self._dataset_size,
+            "sample_rate": self._sample_rate,
+            "truncated_batch_size": self._truncated_batch_size,
+            "steps": self._steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the epoch counter saved by :meth:`state_dict`.
+
+        The configuration must match this sampler's (a different q, N, cap or key would silently
+        change the privacy accounting or the random stream).
+
+        Raises:
+            CheckpointError: a missing key, an unknown version, or a configuration mismatch.
+        """
+        if not isinstance(state, dict):
+            raise CheckpointError(f"Expected a dict state, got {type(state).__name__}.")
+        required = ("version", "epoch", "key", "dataset_size", "sample_rate", "truncated_batch_size", "steps")
+        missing = [k for k in required if k not in state]
+        if missing:
+            raise CheckpointError(f"PoissonSampler state lacks {missing}.")
+        if state["version"] != _STATE_VERSION:
+            raise CheckpointError(f"Unknown PoissonSampler state version {state['version']!r}.")
+        try:
+            saved_key = oprandom.key_from_state(state["key"])
+        except InputTypeError as err:
+            raise CheckpointError(f"Invalid key in PoissonSampler state: {err}") from err
+        current = self.state_dict()
+        for name in ("dataset_size", "sample_rate", "truncated_batch_size", "steps"):
+            if state[name] != current[name]:
+                raise CheckpointError(
+                    f"PoissonSampler state has {name}={state[name]!r}, this sampler "
+                    f"{current[name]!r}; construct the sampler with the saved configuration."
+                )
+        if saved_key != self._key:
+            raise CheckpointError(
+                "PoissonSampler state was saved with a different key; construct the sampler "
+                "with the saved key (opake_compile.random.key_from_state(state['key']))."
+            )
+        epoch = state["epoch"]
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise CheckpointError(f"Invalid epoch {epoch!r} in PoissonSampler state.")
+        self._epoch = epoch
+
+    def __repr__(self) -> str:
+        return (
+            f"PoissonSampler(dataset_size={self._dataset_size}, sample_rate={self._sample_rate}, "
+            f"truncated_batch_size={self._truncated_batch_size}, steps={self._steps}, "
+            f"key={self._key!r})"
+        )
