@@ -315,7 +315,9 @@ def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int)
 
 
 def _default_rewrites() -> list[Callable[..., PassReport]]:
-    return []
+    from opake_compile.compiler.passes.rewrites import REWRITE_PASSES
+
+    return list(REWRITE_PASSES)
 
 
 def compile_dp(

@@ -1,0 +1,171 @@
+"""The algebra shared by the ghost-norm / book-keeping rewrites.
+
+Every rule describes one contribution to a parameter's per-example gradient as a product of
+two per-example factors, in the orientation of the gradient viewed as an (R, C) matrix::
+
+    term_i = A_i @ B_i,     A_i: (R, K) and B_i: (K, C)
+
+where ``A`` is either *dense*, a ``(P, R, K)`` node (the output gradients of a linear layer,
+say), or *one-hot*, given by integer ids ``(P, K)`` with ``A_i[r, k] = [ids_i[k] == r]``
+(an embedding lookup). A parameter's gradient is the sum of its terms (a weight used twice,
+tied embeddings), so ``G_i = [A_i^1 | A_i^2 | ...] @ [B_i^1; B_i^2; ...]``.
+
+Ghost norm (Li et al. 2022, "Large Language Models Can Be Strong Differentially Private
+Learners"; Goodfellow 2015 for K = 1)::
+
+    ||G_i||_F^2 = sum_{j,k} < A_i^j^T A_i^k , B_i^j B_i^k^T >      (K_j x K_k Gram matrices)
+
+Book-keeping clipped sum (Bu et al. 2023, "Differentially Private Optimization on Large Model
+at Small Cost")::
+
+    sum_i f_i G_i = sum_j (f * A^j) concatenated over (example, k)  @  B^j concatenated
+
+one matrix product per term (an ``embedding_dense_backward`` for one-hot terms), never
+materialising a per-example ``R x C`` gradient. Rows of excluded examples (padding, non-finite)
+are removed from *both* factors with a select before any product, so a NaN in an excluded
+example cannot reach the sum (0 * NaN = NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from opake_compile.compiler._graph_utils import Emitter, shape, val
+
+aten = torch.ops.aten
+
+__all__ = ["Factor", "ghost_cost", "materialized_cost", "emit_sq_norm", "emit_clipped_sum"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    """One term ``A_i @ B_i`` of a per-example gradient, in (R, C) orientation.
+
+    Attributes:
+        rule: the rule that matched (coverage label, e.g. ``"linear"``, ``"embedding"``).
+        a: dense ``(P, R, K)`` node, or int ids ``(P, K)`` for a one-hot factor.
+        b: dense ``(P, K, C)`` node.
+        rows: R.
+        onehot: whether ``a`` holds ids.
+        padding_idx: for one-hot factors, an id whose rows get no gradient (``None``: none).
+    """
+
+    rule: str
+    a: fx.Node
+    b: fx.Node
+    rows: int
+    onehot: bool = False
+    padding_idx: int | None = None
+
+    @property
+    def k(self) -> int:
+        return shape(self.b)[1]
+
+    @property
+    def cols(self) -> int:
+        return shape(self.b)[2]
+
+
+def materialized_cost(factors: list[Factor], p: int) -> int:
+    """Flops-like cost of forming and reducing the per-example gradients (P x R x C each)."""
+    r, c = factors[0].rows, factors[0].cols
+    return p * r * c * (sum(f.k for f in factors) + 2)
+
+
+def ghost_cost(factors: list[Factor], p: int) -> int:
+    """Cost of the Gram-matrix norms: per pair of terms, ``P K_f K_g (R + C)`` for dense left
+    factors, ``P K_f K_g (1 + C)`` when a one-hot factor turns its Gram into a gather or a
+    comparison. (The book-keeping sum costs what the non-private weight gradient costs.)"""
+    total = 0
+    for f in factors:
+        for g in factors:
+            left = 1 if (f.onehot or g.onehot) else f.rows
+            total += p * f.k * g.k * (left + f.cols)
+    return total
+
+
+def _as_dtype(em: Emitter, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+    return node if val(node).dtype == dtype else em(aten._to_copy.default, node, dtype=dtype)
+
+
+def _b_of(em: Emitter, f: Factor, acc: torch.dtype) -> fx.Node:
+    """B with the rows of a one-hot factor's padding id zeroed (they get no gradient)."""
+    b = _as_dtype(em, f.b, acc)
+    if f.onehot and f.padding_idx is not None:
+        p, k, _ = shape(f.b)
+        is_pad = em(aten.eq.Scalar, f.a, f.padding_idx)
+        zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+        b = em(aten.where.self, em(aten.view.default, is_pad, [p, k, 1]), zero, b)
+    return b
+
+
+def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
+    """``A_f^T A_g`` per example: (P, K_f, K_g)."""
+    p = shape(f.b)[0]
+    if f.onehot and g.onehot:
+        eq = em(aten.eq.Tensor, em(aten.unsqueeze.default, f.a, 2), em(aten.unsqueeze.default, g.a, 1))
+        return em(aten._to_copy.default, eq, dtype=acc)
+    if f.onehot or g.onehot:
+        one, dense = (f, g) if f.onehot else (g, f)
+        # (A_one^T A_dense)[k, l] = A_dense[ids[k], l]: gather the rows the ids pick.
+        idx = em(aten.expand.default, em(aten.unsqueeze.default, one.a, 2), [p, one.k, dense.k])
+        picked = em(aten.gather.default, _as_dtype(em, dense.a, acc), 1, idx)
+        return picked if f.onehot else em(aten.transpose.int, picked, 1, 2)
+    return em(aten.bmm.default, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), _as_dtype(em, g.a, acc))
+
+
+def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Node:
+    """Per-example squared Frobenius norm of ``sum_j A^j B^j``, shape (P,), in ``acc``."""
+    bs = [_b_of(em, f, acc) for f in factors]
+    total = None
+    for j, f in enumerate(factors):
+        for k in range(j, len(factors)):
+            g = factors[k]
+            if f.k == 1 and g.k == 1 and not f.onehot and not g.onehot:
+                # Rank one (Goodfellow 2015): <a_f, a_g> <b_f, b_g> with vectors.
+                pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, acc), _as_dtype(em, g.a, acc)), [1, 2])
+                pb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, bs[j], bs[k]), [1, 2])
+                term = em(aten.mul.Tensor, pa, pb)
+            else:
+                ga = _gram_a(em, f, g, acc)
+                gb = em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2))
+                term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
+            if k != j:
+                term = em(aten.mul.Tensor, term, 2.0)
+            total = term if total is None else em(aten.add.Tensor, total, term)
+    return total
+
+
+def emit_clipped_sum(
+    em: Emitter,
+    factors: list[Factor],
+    kept: fx.Node,
+    factor: fx.Node,
+    acc: torch.dtype,
+) -> fx.Node:
+    """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``."""
+    p = shape(factors[0].b)[0]
+    keep3 = em(aten.view.default, kept, [p, 1, 1])
+    f3 = em(aten.view.default, factor, [p, 1, 1])
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    total = None
+    for f in factors:
+        r, k, c = f.rows, f.k, f.cols
+        b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
+        if f.onehot:
+            weighted = em(aten.mul.Tensor, b, f3)
+            flat_ids = em(aten.reshape.default, f.a, [p * k])
+            flat_b = em(aten.reshape.default, weighted, [p * k, c])
+            pad = -1 if f.padding_idx is None else f.padding_idx
+            term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
+        else:
+            a = em(aten.where.self, keep3, _as_dtype(em, f.a, acc), zero)
+            a = em(aten.mul.Tensor, a, f3)
+            a_cat = em(aten.reshape.default, em(aten.permute.default, a, [1, 0, 2]), [r, p * k])
+            b_cat = em(aten.reshape.default, b, [p * k, c])
+            term = em(aten.mm.default, a_cat, b_cat)
+        total = term if total is None else em(aten.add.Tensor, total, term)
+    return total

@@ -1,0 +1,163 @@
+"""The ghost-norm / book-keeping rewrite pass.
+
+For each trainable parameter, the clip pass left two tagged consumers of the materialised
+per-example gradient ``G`` (shape ``(P, *param.shape)``): its squared norm (``sq_norm``) and its
+share of the clipped sum (``clipped_sum``). This pass
+
+1. decomposes ``G`` into terms: it looks through shape-preserving views, ``add`` (a weight
+   used twice, tied embeddings) and transposes of the last two dims, down to a 3-D
+   ``(P, R, C)`` form;
+2. asks the rules (:data:`RULES`, a table: one matcher per family, each in its own module) to
+   express every term as a product of two per-example factors
+   (:class:`~opake_compile.compiler.passes._factors.Factor`);
+3. when every term matched and the Gram-matrix norm is not more expensive than the
+   materialised one (Bu et al. 2023's mixed strategy), replaces both tagged nodes with the
+   ghost norm and the book-keeping sum. ``G`` becomes dead and is never computed.
+
+Parameters with no match keep the materialised path; the report says which path each took.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, shape, val
+from opake_compile.compiler.passes._base import PassReport
+from opake_compile.compiler.passes._factors import Factor, emit_clipped_sum, emit_sq_norm, ghost_cost, materialized_cost
+from opake_compile.compiler.passes.ghost_embedding import match_embedding
+from opake_compile.compiler.passes.ghost_matmul import match_matmul
+
+aten = torch.ops.aten
+
+__all__ = ["RULES", "ghost_clipping", "REWRITE_PASSES"]
+
+Rule = Callable[[Emitter, fx.Node, bool, int], "Factor | None"]
+
+#: rule name -> matcher. A matcher gets (emitter, term node, transposed?, P) and returns a Factor.
+RULES: dict[str, Rule] = {
+    "linear": match_matmul,
+    "embedding": match_embedding,
+}
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default, aten.alias.default)
+
+
+def _is_swap_last_two(node: fx.Node) -> bool:
+    if node.target is aten.transpose.int:
+        dims = {d % 3 for d in node.args[1:3]}
+        return len(shape(node)) == 3 and dims == {1, 2}
+    if node.target is aten.permute.default:
+        return list(node.args[1]) == [0, 2, 1]
+    return False
+
+
+def _terms(node: fx.Node, flipped: bool) -> list[tuple[fx.Node, bool]]:
+    """Split ``node`` (3-D) into ``(term, transposed)`` whose (oriented) sum is ``node``."""
+    if node.op == "call_function":
+        if node.target in _VIEWS and isinstance(node.args[0], fx.Node) and shape(node.args[0]) == shape(node):
+            return _terms(node.args[0], flipped)
+        if _is_swap_last_two(node):
+            return _terms(node.args[0], not flipped)
+        if node.target is aten.add.Tensor and len(node.args) == 2 and not node.kwargs:
+            a, b = node.args
+            if all(isinstance(x, fx.Node) and shape(x) == shape(node) for x in (a, b)):
+                return _terms(a, flipped) + _terms(b, flipped)
+    return [(node, flipped)]
+
+
+def _matrix_form(g: fx.Node) -> fx.Node | None:
+    """Walk back through reshapes from ``G`` to a 3-D ``(P, R, C)`` node with the same numel."""
+    node = g
+    numel = math.prod(shape(g))
+    while True:
+        s = shape(node)
+        if len(s) == 3 and math.prod(s) == numel:
+            return node
+        if node.op == "call_function" and node.target in _VIEWS and isinstance(node.args[0], fx.Node):
+            if math.prod(shape(node.args[0])) != numel:
+                return None
+            node = node.args[0]
+            continue
+        return None
+
+
+def _match(em: Emitter, g: fx.Node, p: int) -> tuple[list[Factor], str] | tuple[None, str]:
+    top = _matrix_form(g)
+    if top is None:
+        return None, "no matrix form"
+    _, r, c = shape(top)
+    factors = []
+    for term, flipped in _terms(top, False):
+        for rule in RULES.values():
+            f = rule(em, term, flipped, p)
+            if f is not None:
+                break
+        else:
+            return None, f"unmatched {term.target}"
+        if f.rows != r or f.cols != c:
+            return None, "shape mismatch"
+        factors.append(f)
+    return factors, "ok"
+
+
+def ghost_clipping(gm: fx.GraphModule) -> PassReport:
+    """Replace materialised per-example norms and clipped sums by ghost norms and
+    book-keeping sums wherever the rules match and it is cheaper. In place."""
+    graph = gm.graph
+    sq_nodes = nodes_with_role(graph, "sq_norm")
+    sum_nodes = nodes_with_role(graph, "clipped_sum")
+    kept = next(iter(nodes_with_role(graph, "kept").values()))
+    factor = next(iter(nodes_with_role(graph, "clip_factor").values()))
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    matches: dict[str, int] = {}
+    coverage: dict[str, str] = {}
+    for name, sq in sq_nodes.items():
+        g = _gradient_of(sq)
+        p = shape(g)[0]
+        # Factor nodes go right after G's inputs would be ideal; before the norm is enough,
+        # since every operand of G precedes it.
+        em = Emitter(graph, before=sq)
+        factors, why = _match(em, g, p)
+        if factors is None:
+            if len(shape(g)) == 2:
+                # Biases and normalisation affine parameters: the per-example gradient is a
+                # (P, d) vector, as small as the activations it comes from. Nothing to gain.
+                coverage[name] = "direct (per-example vector)"
+            continue
+        if ghost_cost(factors, p) > materialized_cost(factors, p):
+            coverage[name] = "materialized (cheaper than ghost)"
+            continue
+        acc = val(sq).dtype
+        new_sq = emit_sq_norm(em, factors, acc)
+        sq.replace_all_uses_with(new_sq)
+        old_sum = sum_nodes[name]
+        em_out = Emitter(graph, before=out_node)
+        summed = emit_clipped_sum(em_out, factors, kept, factor, acc)
+        summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
+        if val(summed).dtype != val(g).dtype:
+            summed = em_out(aten._to_copy.default, summed, dtype=val(g).dtype)
+        summed.meta["opake_role"] = ("clipped_sum", name)
+        old_sum.replace_all_uses_with(summed)
+        rules = "+".join(sorted({f.rule for f in factors}))
+        coverage[name] = f"ghost:{rules}"
+        for f in factors:
+            matches[f.rule] = matches.get(f.rule, 0) + 1
+    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage)
+
+
+def _gradient_of(sq: fx.Node) -> fx.Node:
+    """The per-example gradient ``G`` a tagged ``sq_norm`` node reduces."""
+    node = sq
+    # sq = sum(mul(flat, flat), [1]); flat = [to_copy](reshape(G))
+    node = node.args[0].args[0]
+    if node.target is aten._to_copy.default:
+        node = node.args[0]
+    assert node.target is aten.reshape.default, "clip pass layout changed"
+    return node.args[0]
+
+
+REWRITE_PASSES = [ghost_clipping]
