@@ -37,7 +37,14 @@ from opake_compile.compiler._graph_utils import Emitter, shape, val
 
 aten = torch.ops.aten
 
-__all__ = ["Factor", "ghost_cost", "materialized_cost", "emit_sq_norm", "emit_clipped_sum"]
+__all__ = [
+    "Factor",
+    "ghost_cost",
+    "materialized_cost",
+    "emit_sq_norm",
+    "emit_sq_norm_materialized",
+    "emit_clipped_sum",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +144,19 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Nod
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Node:
+    """Per-example squared norm by forming ``G_i = sum_j A^j_i B^j_i`` (dense factors only):
+    cheaper than the Gram form when K (R + C) > R C, e.g. early convolutions with many output
+    positions. Only the norm materialises; the sum stays book-keeping."""
+    p = shape(factors[0].b)[0]
+    g = None
+    for f in factors:
+        term = em(aten.bmm.default, _as_dtype(em, f.a, acc), _as_dtype(em, f.b, acc))
+        g = term if g is None else em(aten.add.Tensor, g, term)
+    flat = em(aten.reshape.default, g, [p, -1])
+    return em(aten.sum.dim_IntList, em(aten.mul.Tensor, flat, flat), [1])
 
 
 def emit_clipped_sum(

@@ -27,7 +27,15 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, shape, val
 from opake_compile.compiler.passes._base import PassReport
-from opake_compile.compiler.passes._factors import Factor, emit_clipped_sum, emit_sq_norm, ghost_cost, materialized_cost
+from opake_compile.compiler.passes._factors import (
+    Factor,
+    emit_clipped_sum,
+    emit_sq_norm,
+    emit_sq_norm_materialized,
+    ghost_cost,
+    materialized_cost,
+)
+from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.ghost_embedding import match_embedding
 from opake_compile.compiler.passes.ghost_matmul import match_matmul
 
@@ -36,11 +44,18 @@ aten = torch.ops.aten
 __all__ = ["RULES", "ghost_clipping", "REWRITE_PASSES"]
 
 Rule = Callable[[Emitter, fx.Node, bool, int], "Factor | None"]
+WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
 
-#: rule name -> matcher. A matcher gets (emitter, term node, transposed?, P) and returns a Factor.
+#: Term rules: (emitter, 3-D term node, transposed?, P) -> Factor in the gradient's (R, C) form.
 RULES: dict[str, Rule] = {
     "linear": match_matmul,
     "embedding": match_embedding,
+}
+
+#: Whole-gradient rules: (emitter, G node of shape (P, *param.shape), P) -> Factor whose (R, C)
+#: form reshapes row-major to the parameter's shape.
+WHOLE_RULES: dict[str, WholeRule] = {
+    "conv": match_conv,
 }
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default, aten.alias.default)
@@ -86,6 +101,10 @@ def _matrix_form(g: fx.Node) -> fx.Node | None:
 
 
 def _match(em: Emitter, g: fx.Node, p: int) -> tuple[list[Factor], str] | tuple[None, str]:
+    for rule in WHOLE_RULES.values():
+        f = rule(em, g, p)
+        if f is not None:
+            return [f], "ok"
     top = _matrix_form(g)
     if top is None:
         return None, "no matrix form"
@@ -128,11 +147,17 @@ def ghost_clipping(gm: fx.GraphModule) -> PassReport:
                 # (P, d) vector, as small as the activations it comes from. Nothing to gain.
                 coverage[name] = "direct (per-example vector)"
             continue
-        if ghost_cost(factors, p) > materialized_cost(factors, p):
-            coverage[name] = "materialized (cheaper than ghost)"
-            continue
         acc = val(sq).dtype
-        new_sq = emit_sq_norm(em, factors, acc)
+        rules = "+".join(sorted({f.rule for f in factors}))
+        dense = not any(f.onehot for f in factors)
+        if dense and ghost_cost(factors, p) > materialized_cost(factors, p):
+            # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming the
+            # per-example gradient, so form it for the norm only; the sum stays book-keeping.
+            new_sq = emit_sq_norm_materialized(em, factors, acc)
+            coverage[name] = f"bk:{rules} (norm materialized)"
+        else:
+            new_sq = emit_sq_norm(em, factors, acc)
+            coverage[name] = f"ghost:{rules}"
         sq.replace_all_uses_with(new_sq)
         old_sum = sum_nodes[name]
         em_out = Emitter(graph, before=out_node)
@@ -142,8 +167,6 @@ def ghost_clipping(gm: fx.GraphModule) -> PassReport:
             summed = em_out(aten._to_copy.default, summed, dtype=val(g).dtype)
         summed.meta["opake_role"] = ("clipped_sum", name)
         old_sum.replace_all_uses_with(summed)
-        rules = "+".join(sorted({f.rule for f in factors}))
-        coverage[name] = f"ghost:{rules}"
         for f in factors:
             matches[f.rule] = matches.get(f.rule, 0) + 1
     return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage)
