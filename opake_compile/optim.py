@@ -13,6 +13,7 @@ noise, and skipping it would reveal that the batch was empty.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 
 from opake_compile import accounting as _acc
 from opake_compile import random as _random
-from opake_compile._validate import check_noise_multiplier
+from opake_compile._validate import NotPrivateWarning, check_noise_multiplier
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
@@ -157,17 +158,21 @@ class DPOptimizer:
             )
         self.budget = budget
         self.steps = 0
+        with warnings.catch_warnings():
+            # sigma = 0 was already reported above; do not repeat it on every accounting query.
+            warnings.simplefilter("ignore", NotPrivateWarning)
+            self._step_process = _acc.dpsgd_step_process(
+                self.noise_multiplier,
+                self.sample_rate,
+                dataset_size=self.dataset_size,
+                truncated_batch_size=self.truncated_batch_size,
+            )
 
     # ---------------------------------------------------------------- accounting
     @property
     def step_process(self) -> Any:
         """The privacy process of one logical step (Poisson-subsampled Gaussian)."""
-        return _acc.dpsgd_step_process(
-            self.noise_multiplier,
-            self.sample_rate,
-            dataset_size=self.dataset_size,
-            truncated_batch_size=self.truncated_batch_size,
-        )
+        return self._step_process
 
     @property
     def process(self) -> Any:
