@@ -66,6 +66,8 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
             )
         if not isinstance(p.grads, dict) or set(p.grads) != set(first.grads):
             raise ConfigurationError("Cannot accumulate sums over different parameters.")
+        if p.num_ranks != first.num_ranks:
+            raise ConfigurationError("Cannot accumulate a local sum with a sum reduced over ranks.")
     grads = {k: sum(p.grads[k] for p in parts) for k in first.grads}
     return ClippedPytree(
         grads=grads,
@@ -73,6 +75,7 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
         per_example_norms=torch.cat([p.per_example_norms.reshape(-1) for p in parts]),
         num_examples=sum(p.num_examples for p in parts),
         num_nonfinite=sum(p.num_nonfinite for p in parts),
+        num_ranks=first.num_ranks,
         parameters=first.parameters,
     )
 
@@ -229,6 +232,13 @@ class DPOptimizer:
             raise ConfigurationError(
                 f"The ClippedPytree was already normalised (normalize_by={clipped.normalize_by}); "
                 "DPOptimizer adds noise to the sum and divides by the expected batch size itself."
+            )
+        world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+        if clipped.num_ranks != world:
+            raise ConfigurationError(
+                f"This ClippedPytree holds the sum of {clipped.num_ranks} process(es), but the process "
+                f"group has {world}: call opake_compile.distributed.sum_gradients(clipped) first, so "
+                "that every rank adds the same noise to the same global sum."
             )
         c = clipped.clipping_norm
         if math.isinf(c) and self.noise_multiplier > 0:

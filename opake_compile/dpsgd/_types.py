@@ -38,6 +38,9 @@ class ClippedPytree(DPOutput):
         num_nonfinite: **not privatised.** How many examples had a non-finite gradient and so
             contributed exactly zero (selected away, never multiplied by zero).
         aux: **not privatised.** Per-example auxiliary outputs (``has_aux=True``) or ``None``.
+        num_ranks: how many processes' clipped sums ``grads`` adds up (1, or the world size after
+            :func:`opake_compile.distributed.sum_gradients`); ``DPOptimizer`` refuses a local
+            sum inside a multi-process group.
         parameters: the tensors ``grads`` belong to, keyed like ``grads`` (set by
             ``compile_dp`` and by ``clipped_grad`` on a dict of parameters), so that
             ``DPOptimizer`` maps gradients to parameters without trusting an ordering.
@@ -50,6 +53,7 @@ class ClippedPytree(DPOutput):
     normalize_by: float | None = None
     num_nonfinite: int = 0
     aux: Any = None
+    num_ranks: int = 1
     parameters: Mapping[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     @property

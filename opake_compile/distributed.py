@@ -1,0 +1,521 @@
+"""Data-parallel DP-SGD on ``torch.distributed`` (Gloo on CPU, NCCL on GPU).
+
+The recipe (one logical step, ``W`` ranks)::
+
+    clipped = step(x_local, y_local).clipped           # 1. local clipped sum S_r
+    clipped = distributed.sum_gradients(clipped)       # 2. all-reduce: S = sum_r S_r
+    optimizer.step(clipped)                            # 3. DPOptimizer, SAME key on every rank
+
+1. Rank ``r`` computes, with the compiled step, the unnormalised sum ``S_r`` of the clipped
+   per-example gradients of *its* examples (its local Poisson batch ``B_r``).
+2. :func:`sum_gradients` adds the sums of all ranks with explicit collectives
+   (``torch.distributed.all_reduce``; ``DistributedDataParallel``'s reducer hooks are never
+   involved, the compiled step does not even run a module backward). Every rank now holds
+   ``S = sum over B of clip(g_i)`` with ``B`` the union of the local batches.
+3. Every rank calls :class:`~opake_compile.optim.DPOptimizer` ``.step(S)``. All optimizers were
+   built with the **same key** (:func:`broadcast_key`, :func:`check_same_key`), so all ranks
+   draw the *identical* noise ``Z ~ N(0, (sigma C)^2 I)``, write the identical gradient
+   ``(S + Z) / (q N)`` and take the identical parameter update: the replicas stay in sync.
+
+Why this is private. The shards partition the dataset, so each example lies on exactly one
+rank and enters ``S`` at most once, clipped to norm C: adding or removing one example changes
+``S`` by at most C in L2, exactly as in one process. The noise ``Z`` is *one* draw: the ``W``
+ranks hold ``W`` copies of the same number, not ``W`` independent draws, so what leaves the
+group of ranks (parameters, checkpoints, any rank's gradient) is the output of a single
+Gaussian mechanism ``S + Z`` on the global sum, post-processed by the optimizer. With
+:class:`DistributedPoissonSampler` the global batch ``B`` is a Poisson sample of the whole
+dataset with rate q, so the accountant of every rank (which sees the global ``q`` and ``N``)
+accounts for the mechanism that actually ran, and ``q N`` is the right normaliser. Had every
+rank added its own independent noise, the sum would carry ``W`` times the variance (a wasted
+factor in utility); had each added ``1/W`` of it, a rank's own un-noised share would be the
+whole release. Drawing the same noise after the reduction also means no rank is special, the
+noise code is the single-process code unchanged, and the optimizer state (key, step count,
+accountant) is identical on every rank, so any rank's checkpoint is the checkpoint.
+(Equally private alternative, not chosen: rank 0 alone adds the noise before the reduction.)
+
+Threat model: central DP with trusted ranks. The *un-noised* local sums ``S_r`` travel between
+ranks inside the all-reduce; the guarantee covers what is released outside the group, not what
+one rank could learn from the others' traffic. As in one process, the noise key is secret:
+whoever knows it can subtract ``Z``.
+
+Requirements (otherwise results are wrong or a collective hangs):
+
+* every rank runs the same model (same trainable parameters, shapes, dtypes, clipping norm)
+  from identical initial parameters (:func:`broadcast_parameters`), and the same number of
+  steps, **including steps whose local batch is empty**: the compiled step returns a zero
+  ``ClippedPytree`` for an empty batch, so that rank still joins every collective (skipping
+  it would deadlock the others and, for the accountant, leak that the batch was empty);
+* every ``DPOptimizer`` uses the same key; the noise is drawn on the parameters' device, so
+  ranks need identical device types (on GPUs, the same model: CUDA random streams depend on
+  the kernel launch configuration);
+* Gloo reduces CPU tensors, NCCL CUDA tensors; keep parameters on the backend's device.
+
+Not privatised, and documented so where returned: the per-example norms of a reduced
+``ClippedPytree`` stay *local* (this rank's examples only); its ``num_examples`` and
+``num_nonfinite`` are the *global* realised counts.
+
+Every helper works without an initialised process group (one process): the reductions are the
+identity, :func:`get_rank` is 0, :func:`get_world_size` is 1.
+
+Example (run with ``torchrun --nproc_per_node 2 script.py``; see
+``examples/train_distributed.py``)::
+
+    >>> dist.init_process_group("gloo")                                  # doctest: +SKIP
+    >>> key = distributed.broadcast_key(oprandom.random_key())           # doctest: +SKIP
+    >>> noise_key, sampler_key = oprandom.split(key)                     # doctest: +SKIP
+    >>> sampler = distributed.DistributedPoissonSampler(len(ds), 0.01, key=sampler_key)  # doctest: +SKIP
+    >>> opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+    ...                   sampler=sampler, key=noise_key)                # doctest: +SKIP
+    >>> for idx in sampler:                                              # doctest: +SKIP
+    ...     opt.step(distributed.sum_gradients(step(x_shard[idx], y_shard[idx]).clipped))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.data import Dataset, Subset
+
+from opake_compile import pytree as _pytree
+from opake_compile import random as oprandom
+from opake_compile._validate import check_nonnegative_int, check_positive_int
+from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
+from opake_compile.optim import accumulate
+from opake_compile.sampling import PoissonSampler
+
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "local_shard",
+    "all_reduce",
+    "reduce_pytree",
+    "sum_gradients",
+    "broadcast_key",
+    "check_same_key",
+    "broadcast_parameters",
+    "DistributedPoissonSampler",
+]
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # followed by a division by the world size (Gloo has no AVG)
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
+# ----------------------------------------------------------------------------- process group
+def is_distributed() -> bool:
+    """``True`` when ``torch.distributed`` is available and a default process group is
+    initialised (whatever its size).
+
+    Example::
+
+        >>> is_distributed()  # in a plain Python process
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank in the default group; 0 without a process group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """The number of ranks in the default group; 1 without a process group."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    w = get_world_size() if world_size is None else check_positive_int(world_size, name="world_size")
+    r = get_rank() if rank is None else check_nonnegative_int(rank, name="rank")
+    if r >= w:
+        raise ConfigurationError(f"Expected rank={r} < world_size={w}.")
+    return r, w
+
+
+def _collective_device() -> torch.device:
+    """Where small bookkeeping tensors (keys, counts) must live for the default backend."""
+    if str(dist.get_backend()) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_shard(dataset: Dataset, *, rank: int | None = None, world_size: int | None = None) -> Subset:
+    """This rank's fixed shard of ``dataset``: the examples ``i`` with ``i % world_size == rank``.
+
+    The shards of all ranks partition ``range(len(dataset))`` (sizes differ by at most one),
+    which is what makes the union of the ranks' Poisson batches a Poisson sample of the whole
+    dataset (:class:`DistributedPoissonSampler` yields positions into this subset).
+
+    Args:
+        dataset: a map-style dataset with ``len``.
+        rank, world_size: default: the default process group's (0 and 1 without one).
+
+    Returns:
+        ``torch.utils.data.Subset(dataset, range(rank, len(dataset), world_size))``.
+
+    Raises:
+        InputTypeError: ``dataset`` has no length.
+        ConfigurationError: ``rank >= world_size``.
+
+    Example::
+
+        >>> ds = torch.utils.data.TensorDataset(torch.arange(5))
+        >>> list(local_shard(ds, rank=1, world_size=2).indices)
+        [1, 3]
+    """
+    try:
+        n = len(dataset)  # type: ignore[arg-type]
+    except TypeError as err:
+        raise InputTypeError(f"local_shard needs a dataset with a length, got {type(dataset).__name__}.") from err
+    r, w = _resolve_rank(rank, world_size)
+    return Subset(dataset, range(r, n, w))
+
+
+# ----------------------------------------------------------------------------- reductions
+def _op(op: str | dist.ReduceOp) -> tuple[Any, bool]:
+    if isinstance(op, str):
+        if op not in _OPS:
+            raise ConfigurationError(f"Expected op in {sorted(_OPS)} or a torch.distributed.ReduceOp, got {op!r}.")
+        return _OPS[op], op == "mean"
+    if isinstance(op, dist.ReduceOp):
+        return op, False
+    raise InputTypeError(f"Expected op to be a str or torch.distributed.ReduceOp, got {type(op).__name__}.")
+
+
+def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum") -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return the result; the input is not modified.
+
+    Args:
+        tensor: any tensor on the backend's device (CPU for Gloo, CUDA for NCCL), of the same
+            shape and dtype on every rank.
+        op: ``"sum"`` (default), ``"mean"`` (floating tensors; sum divided by the world size),
+            ``"max"``, ``"min"``, ``"product"``, or a ``torch.distributed.ReduceOp``.
+
+    Returns:
+        A new tensor holding the reduction (identical on every rank); without a process group,
+        ``tensor`` itself (the reduction over one rank).
+
+    Raises:
+        InputTypeError: ``tensor`` is not a tensor; a bad ``op`` type.
+        ConfigurationError: an unknown ``op`` name; ``"mean"`` of a non-floating tensor.
+
+    Example::
+
+        >>> all_reduce(torch.ones(2), "sum")  # one process: the identity
+        tensor([1., 1.])
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise InputTypeError(f"all_reduce expects a tensor, got {type(tensor).__name__}.")
+    return reduce_pytree(tensor, op)
+
+
+def reduce_pytree(tree: Any, op: str | dist.ReduceOp = "sum") -> Any:
+    """Reduce every tensor leaf of ``tree`` over all ranks; returns a new tree.
+
+    Leaves are packed into one flat buffer per (dtype, device), in the tree's traversal order
+    (dict keys sorted), so a dict of many parameters costs one collective per dtype, not one
+    per leaf. Every rank must pass a tree of the same structure, shapes and dtypes.
+
+    Args:
+        tree: a pytree of tensors (a ``ClippedPytree`` is refused: use :func:`sum_gradients`).
+        op: as for :func:`all_reduce`.
+
+    Returns:
+        A tree of the same structure with new, reduced tensors; without a process group,
+        ``tree`` itself.
+
+    Raises:
+        InputTypeError: a leaf is not a tensor; ``tree`` is a DP output wrapper; a bad ``op``.
+        ConfigurationError: an unknown ``op``; ``"mean"`` of a non-floating leaf.
+
+    Example::
+
+        >>> reduce_pytree({"w": torch.zeros(2)}, "max")  # one process: the identity
+        {'w': tensor([0., 0.])}
+    """
+    red_op, mean = _op(op)
+    leaves, treedef = _pytree.tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(f"reduce_pytree expects tensor leaves only, got {type(leaf).__name__}.")
+        if mean and not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
+            raise ConfigurationError(f"op='mean' needs floating tensors, got dtype {leaf.dtype}.")
+    if not is_distributed():
+        return tree
+    world = dist.get_world_size()
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        buckets.setdefault((leaf.dtype, leaf.device), []).append(i)
+    out: list[Any] = [None] * len(leaves)
+    for members in buckets.values():  # insertion order = traversal order, identical on all ranks
+        flat = torch.cat([leaves[i].detach().reshape(-1) for i in members])
+        dist.all_reduce(flat, op=red_op)
+        if mean:
+            flat = flat / world
+        for i, part in zip(members, flat.split([leaves[i].numel() for i in members])):
+            out[i] = part.view(leaves[i].shape)
+    return _pytree.tree_unflatten(treedef, out)
+
+
+def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPytree:
+    """Sum a :class:`ClippedPytree` over all ranks: the global clipped sum of one logical step.
+
+    Call it on every rank at every step, an empty local batch included (the compiled step
+    returns a zero ``ClippedPytree`` then), and pass the result to ``DPOptimizer.step``; all
+    optimizers must share one key (module docstring: why the noise is then added exactly once).
+
+    Guarantee: if each input is the sum of ``clip_C(g_i)`` over that rank's examples and the
+    ranks' examples are disjoint, the result is the sum over their union; its sensitivity to
+    one example is C. No noise is added here.
+
+    Edge cases: an empty local batch contributes zeros; C = inf sums unclipped gradients (not
+    private, as in one process); non-finite examples were already selected away per rank and
+    the counts are summed; ranks with different C raise (on every rank) before any sum.
+
+    Args:
+        clipped: this rank's ``ClippedPytree`` (``grads`` a dict of unnormalised sums), or a
+            sequence of them (physical batches of one logical batch: accumulated first).
+
+    Returns:
+        A new ``ClippedPytree``: ``grads`` summed over ranks; ``num_examples`` and
+        ``num_nonfinite`` summed (global counts, **not privatised**); ``per_example_norms`` and
+        ``aux`` are this rank's, **local and not privatised**; ``clipping_norm`` and the
+        ``parameters`` references unchanged. Without a process group: ``clipped`` itself.
+
+    Raises:
+        InputTypeError: not a ``ClippedPytree``; ``grads`` not a pytree of tensors.
+        ConfigurationError: a normalised input (``normalize_by`` set); ranks disagree on C.
+
+    Example::
+
+        >>> total = sum_gradients(step(x, y).clipped)  # doctest: +SKIP
+        >>> optimizer.step(total)                      # doctest: +SKIP
+    """
+    if not isinstance(clipped, ClippedPytree):
+        if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
+            clipped = accumulate(clipped)
+        else:
+            raise InputTypeError(f"sum_gradients expects a ClippedPytree, got {type(clipped).__name__}.")
+    if clipped.normalize_by is not None:
+        raise ConfigurationError(
+            f"sum_gradients expects the unnormalised clipped sum; this one was divided by "
+            f"normalize_by={clipped.normalize_by}. DPOptimizer normalises after the reduction."
+        )
+    if not is_distributed():
+        return clipped
+    device = _collective_device()
+    c = float(clipped.clipping_norm)
+    bounds = all_reduce(torch.tensor([c, -c], dtype=torch.float64, device=device), "max")
+    if float(bounds[0]) != -float(bounds[1]):
+        raise ConfigurationError(
+            f"Ranks clip at different norms (from {-float(bounds[1])} to {float(bounds[0])}); "
+            "every rank must use the same clipping_norm."
+        )
+    counts = torch.tensor([clipped.num_examples, clipped.num_nonfinite], dtype=torch.int64, device=device)
+    counts = all_reduce(counts, "sum").tolist()
+    return dataclasses.replace(
+        clipped,
+        grads=reduce_pytree(clipped.grads, "sum"),
+        num_examples=int(counts[0]),
+        num_nonfinite=int(counts[1]),
+        num_ranks=get_world_size(),
+    )
+
+
+# ----------------------------------------------------------------------------- shared state
+def broadcast_key(key: oprandom.Key, *, src: int = 0) -> oprandom.Key:
+    """Rank ``src``'s key, on every rank: build every ``DPOptimizer`` from it.
+
+    Args:
+        key: this rank's :class:`~opake_compile.random.Key` (only ``src``'s value matters).
+        src: the rank whose key wins.
+
+    Returns:
+        ``src``'s key (``key`` itself without a process group).
+
+    Raises:
+        InputTypeError: ``key`` is not a Key.
+
+    Example::
+
+        >>> k = oprandom.key(0)
+        >>> broadcast_key(k) == k  # one process
+        True
+    """
+    if not isinstance(key, oprandom.Key):
+        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    if not is_distributed():
+        return key
+    words = torch.tensor(oprandom.key_to_state(key), dtype=torch.int64, device=_collective_device())
+    dist.broadcast(words, src=src)
+    return oprandom.key_from_state(words.tolist())
+
+
+def check_same_key(key: oprandom.Key) -> None:
+    """Raise on every rank unless all ranks hold the same key (an all-gather of its words).
+
+    Call it before the first step with the key given to ``DPOptimizer``: with different keys
+    the ranks would add different noise and their parameters would drift apart.
+
+    Raises:
+        InputTypeError: ``key`` is not a Key.
+        ConfigurationError: the ranks' keys differ (names the ranks that disagree with rank 0).
+    """
+    if not isinstance(key, oprandom.Key):
+        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    if not is_distributed():
+        return
+    words = torch.tensor(oprandom.key_to_state(key), dtype=torch.int64, device=_collective_device())
+    gathered = [torch.empty_like(words) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, words)
+    differ = [r for r, w in enumerate(gathered) if not torch.equal(w, gathered[0])]
+    if differ:
+        raise ConfigurationError(
+            f"Rank(s) {differ} hold a different noise key than rank 0. Every DPOptimizer must use "
+            "the same key (distributed.broadcast_key) so that the noise is added once."
+        )
+
+
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, *, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers into ``module`` on every rank, in place.
+
+    Replicas must start identical (DDP does the same at construction). A no-op without a
+    process group.
+
+    Raises:
+        InputTypeError: ``module`` is not an ``nn.Module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise InputTypeError(f"Expected an nn.Module, got {type(module).__name__}.")
+    if not is_distributed():
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(t.data, src=src)
+
+
+# ----------------------------------------------------------------------------- sampling
+class DistributedPoissonSampler(PoissonSampler):
+    """Poisson subsampling of the *whole* dataset, split across ranks.
+
+    Construction: the dataset is partitioned into fixed strided shards, rank ``r`` owning the
+    global indices ``i % world_size == r`` (:func:`local_shard`). For batch ``step`` of epoch
+    ``epoch``, rank ``r`` includes each index of its shard independently with probability q,
+    using ``generator_from_key(fold_in(fold_in(fold_in(key, epoch), step), r))``. Shards are
+    disjoint and cover ``range(N)``, and the ranks' draws are independent, so every example of
+    the dataset is included independently with probability q: the union of the local batches
+    is exactly a Poisson sample of the whole dataset (its size is Binomial(N, q)). Hence
+    ``dataset_size``, ``sample_rate`` and ``expected_batch_size`` are the **global** ``N``,
+    ``q`` and ``q N`` (what ``DPOptimizer`` normalises by and the accountant analyses), and the
+    same on every rank; so is ``len(sampler)``, so every rank runs the same number of steps.
+
+    The sampler yields **positions into** ``local_shard(dataset)`` (0-based, increasing), so
+    use ``DataLoader(local_shard(ds), batch_sampler=sampler, ...)`` or index the shard's
+    tensors; ``sampler.shard[pos]`` is the global index. Local batches are often empty (with
+    probability ``(1-q)**len(shard)``): the rank still takes the step.
+
+    Pass the same ``key`` on every rank (e.g. a :func:`~opake_compile.random.split` child of a
+    :func:`broadcast_key` key); the rank is folded in here.
+
+    Args:
+        dataset_size: N, the size of the whole dataset.
+        sample_rate: q in [0, 1].
+        key: an :class:`opake_compile.random.Key`, not used for anything else.
+        rank, world_size: default: the default process group's (0 and 1 without one).
+        steps: batches per epoch, as for :class:`~opake_compile.sampling.PoissonSampler`.
+        truncated_batch_size: must be ``None``: refused (a per-rank cap is not the
+            truncated-Poisson mechanism on the global batch that the accountant would analyse).
+
+    Attributes:
+        rank, world_size: this sampler's place.
+        shard: ``range(rank, N, world_size)``, the global indices of this rank's shard.
+        is_poisson: ``True``.
+
+    Raises:
+        InputTypeError, ConfigurationError: as for ``PoissonSampler``; ``rank >= world_size``;
+            a ``truncated_batch_size``.
+
+    Example::
+
+        >>> s = DistributedPoissonSampler(10, 0.5, key=oprandom.key(0), rank=1, world_size=2)
+        >>> s.expected_batch_size, list(s.shard)
+        (5.0, [1, 3, 5, 7, 9])
+        >>> all(0 <= p < len(s.shard) for p in s.batch_at(0, 0))
+        True
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        sample_rate: float,
+        *,
+        key: oprandom.Key,
+        rank: int | None = None,
+        world_size: int | None = None,
+        steps: int | None = None,
+        truncated_batch_size: int | None = None,
+    ) -> None:
+        if truncated_batch_size is not None:
+            raise ConfigurationError(
+                f"DistributedPoissonSampler does not truncate (got truncated_batch_size="
+                f"{truncated_batch_size!r}): a cap on each rank's batch is not the truncated-Poisson "
+                "mechanism on the global batch that the accountant would analyse. Use a smaller "
+                "sample_rate or a physical_batch_size in compile_dp to bound memory."
+            )
+        super().__init__(dataset_size, sample_rate, None, key=key, steps=steps)
+        self._rank, self._world_size = _resolve_rank(rank, world_size)
+        self._shard = range(self._rank, self._dataset_size, self._world_size)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def shard(self) -> range:
+        """The global indices of this rank's shard; position ``p`` of a batch is ``shard[p]``."""
+        return self._shard
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        g = oprandom.generator_from_key(oprandom.fold_in(oprandom.fold_in(epoch_key, step), self._rank))
+        mask = torch.rand(len(self._shard), generator=g, dtype=torch.float64) < self._sample_rate
+        return mask.nonzero().flatten().tolist()
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``PoissonSampler.state_dict``, plus ``rank`` and ``world_size``."""
+        return {**super().state_dict(), "rank": self._rank, "world_size": self._world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the epoch counter; the rank layout must match too.
+
+        Raises:
+            CheckpointError: as for ``PoissonSampler``; another rank or world size.
+        """
+        if isinstance(state, dict):
+            for name in ("rank", "world_size"):
+                if state.get(name) != getattr(self, name):
+                    raise CheckpointError(
+                        f"DistributedPoissonSampler state has {name}={state.get(name)!r}, this sampler "
+                        f"{getattr(self, name)!r}; restore each rank's own state with the same world size."
+                    )
+        super().load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedPoissonSampler(dataset_size={self._dataset_size}, sample_rate={self._sample_rate}, "
+            f"rank={self._rank}, world_size={self._world_size}, steps={self._steps}, key={self._key!r})"
+        )

@@ -1,0 +1,481 @@
+"""Tests for opake_compile.distributed.
+
+Distributed scenarios run once per module: the fixture ``runs`` starts two worker processes
+(this file run as a script, Gloo on CPU, a ``FileStore`` rendezvous in a temporary directory)
+that go through every scenario and save what they saw; the tests then compare the ranks with
+each other and with single-process references computed here. Each worker sets a 60 s collective
+timeout and the fixture a wall-clock limit, so a deadlock fails instead of hanging.
+
+Statistical tests use fixed keys (deterministic); their thresholds are passed by a correct
+implementation with overwhelming probability for any key, and each test also checks that its
+criterion rejects the wrong alternative (noise added once per rank; ranks sharing one stream).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from scipy import stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _models, also when run as a worker
+
+from _models import mlp_case, seeded  # noqa: E402
+
+from opake_compile import distributed as D  # noqa: E402
+from opake_compile import random as oprandom  # noqa: E402
+from opake_compile._validate import NotPrivateWarning  # noqa: E402
+from opake_compile.compiler import compile_dp  # noqa: E402
+from opake_compile.dpsgd import ClippedPytree  # noqa: E402
+from opake_compile.dpsgd.noise import add_gaussian_noise  # noqa: E402
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError  # noqa: E402
+from opake_compile.optim import DPOptimizer  # noqa: E402
+
+WORLD = 2
+N, B, STEPS = 32, 8, 3  # fixed global batches of B = q N examples: steps t use rows [B t, B t + B)
+Q = B / N
+LR, MOMENTUM = 0.5, 0.9
+SIGMA, C_NOISE, Z_SIZE = 2.0, 1.0, 20_000  # the noise scenario
+P_MIN = 1e-3
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = seeded(123)
+    return torch.randn(N, 5, generator=g, dtype=torch.float64) * 2, torch.randint(0, 3, (N,), generator=g)
+
+
+def _global_batches() -> list[list[int]]:
+    """The global batch of each step: STEPS fixed batches, then rank 1 empty, then all empty."""
+    return [list(range(B * t, B * t + B)) for t in range(STEPS)] + [[0, 2, 4], []]
+
+
+def _local(idx: list[int], rank: int) -> list[int]:
+    return [i for i in idx if i % WORLD == rank]  # the strided shard, as local_shard/the sampler
+
+
+def _config_sampler(rank: int | None = None, world_size: int | None = None) -> D.DistributedPoissonSampler:
+    """Only supplies q and N to DPOptimizer: the batches are fixed, with q N = B."""
+    return D.DistributedPoissonSampler(N, Q, key=oprandom.key(1), rank=rank, world_size=world_size)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in model.named_parameters()}
+
+
+class _NoiseNet(nn.Module):
+    """A classifier plus a parameter ``z`` whose loss gradient is exactly 0: its ``.grad``
+    after a DP step is pure noise / (q N)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.lin = nn.Linear(5, 3).double()
+        self.z = nn.Parameter(torch.zeros(Z_SIZE, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _noise_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(x), y) + 0.0 * m.z.sum()
+
+
+# ----------------------------------------------------------------------------- the worker
+def _worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    res: dict = {"rank": D.get_rank(), "world_size": D.get_world_size(), "is_distributed": D.is_distributed()}
+    x, y = _data()
+    batches = _global_batches()
+
+    # (1) sigma = 0, C = inf: the DP path over 2 ranks, fixed batches; then (3) empty local batches.
+    case = mlp_case(0, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = compile_dp(case.loss_fn, model=case.model, clipping_norm=math.inf, backend=None, physical_batch_size=8)
+        opt = DPOptimizer(
+            torch.optim.SGD(case.model.parameters(), lr=LR, momentum=MOMENTUM),
+            noise_multiplier=0.0, sampler=_config_sampler(), key=D.broadcast_key(oprandom.key(7)),
+        )
+    res["not_private_warnings"] = sum(issubclass(w.category, NotPrivateWarning) for w in caught)
+    res["num_examples"], res["dp_params"] = [], []
+    for idx in batches:
+        local = _local(idx, rank)
+        clipped = D.sum_gradients(step(x[local], y[local]).clipped)
+        res["num_examples"].append((clipped.num_examples, clipped.per_example_norms.numel()))
+        opt.step(clipped)
+        res["dp_params"].append(_params(case.model))
+    # A local (unreduced) sum inside the group is refused before anything changes.
+    before = (_params(case.model), opt.steps)
+    try:
+        opt.step(step(x[_local(batches[0], rank)], y[_local(batches[0], rank)]).clipped)
+        res["local_sum_refused"] = False
+    except ConfigurationError:
+        res["local_sum_refused"] = True
+    res["unchanged_after_refusal"] = all(
+        torch.equal(before[0][k], v) for k, v in _params(case.model).items()
+    ) and before[1] == opt.steps
+
+    # Plain non-private DDP on the same local batches (mean loss; DDP averages over ranks).
+    ddp_case = mlp_case(0, dtype=torch.float64)
+    ddp = DDP(ddp_case.model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    for idx in batches[:STEPS]:
+        local = _local(idx, rank)
+        sgd.zero_grad()
+        ddp_case.loss_fn(ddp, x[local], y[local]).backward()
+        sgd.step()
+    res["ddp_params"] = _params(ddp_case.model)
+
+    # (2) sigma > 0: z's gradient is pure noise. Rank 1's batch is empty, at its first call.
+    net = _NoiseNet()
+    nstep = compile_dp(_noise_loss, model=net, clipping_norm=C_NOISE, backend=None, physical_batch_size=8)
+    key = D.broadcast_key(oprandom.key(100 + rank))  # rank 0's key wins
+    res["broadcast_key"] = oprandom.key_to_state(key)
+    D.check_same_key(key)
+    nopt = DPOptimizer(torch.optim.SGD(net.parameters(), lr=1.0), noise_multiplier=SIGMA, sampler=_config_sampler(), key=key)
+    local = [0, 2, 4, 6] if rank == 0 else []
+    clipped = D.sum_gradients(nstep(x[local], y[local]).clipped)
+    res["noise_num_examples"] = clipped.num_examples
+    nopt.step(clipped)
+    res["noise_grad_z"] = net.z.grad.detach().clone()
+    res["noise_params"] = _params(net)
+    # The wrong design, for the test's power: every rank adds its own noise before the sum.
+    local_noise = add_gaussian_noise(torch.zeros(Z_SIZE, dtype=torch.float64), SIGMA * C_NOISE, oprandom.fold_in(key, rank))
+    res["per_rank_noise_grad"] = D.all_reduce(local_noise, "sum") / (Q * N)
+
+    # Keys, clipping norms, collectives, parameters, sampler defaults.
+    try:
+        D.check_same_key(oprandom.key(rank))
+        res["mismatched_keys_raise"] = False
+    except ConfigurationError:
+        res["mismatched_keys_raise"] = True
+    odd = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=float(rank + 1), per_example_norms=torch.zeros(1), num_examples=1)
+    try:
+        D.sum_gradients(odd)
+        res["mismatched_c_raise"] = False
+    except ConfigurationError:
+        res["mismatched_c_raise"] = True
+    t = torch.tensor([rank + 1.0, 10.0 * rank])
+    res["all_reduce"] = {op: D.all_reduce(t, op) for op in ("sum", "mean", "max", "min")}
+    res["all_reduce_input_unchanged"] = torch.equal(t, torch.tensor([rank + 1.0, 10.0 * rank]))
+    tree = {"a": torch.full((2, 3), float(rank)), "b": torch.tensor([rank], dtype=torch.int64), "c": torch.ones(4, dtype=torch.float64)}
+    res["reduce_pytree"] = D.reduce_pytree(tree, "sum")
+    lin = nn.Linear(3, 2)
+    with torch.no_grad():
+        lin.weight.fill_(float(rank))
+    D.broadcast_parameters(lin)
+    res["broadcast_weight"] = lin.weight.detach().clone()
+    sampler = D.DistributedPoissonSampler(N, 0.3, key=oprandom.key(5))
+    res["sampler"] = (sampler.rank, sampler.world_size, list(sampler.shard), sampler.batch_at(0, 0))
+    res["local_shard"] = list(D.local_shard(torch.utils.data.TensorDataset(x)).indices)
+
+    dist.barrier()
+    dist.destroy_process_group()
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+# ----------------------------------------------------------------------------- the fixture
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(r), str(tmp / "store"), str(tmp)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for r in range(WORLD)
+    ]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("distributed workers timed out (deadlock?)")
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{log[-6000:]}"
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _single_process_dp(batches: list[list[int]]) -> list[dict[str, torch.Tensor]]:
+    """The same DP run in one process on the union of the ranks' batches (no process group:
+    ``sum_gradients`` is the identity)."""
+    x, y = _data()
+    case = mlp_case(0, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        step = compile_dp(case.loss_fn, model=case.model, clipping_norm=math.inf, backend=None, physical_batch_size=8)
+        opt = DPOptimizer(
+            torch.optim.SGD(case.model.parameters(), lr=LR, momentum=MOMENTUM),
+            noise_multiplier=0.0, sampler=_config_sampler(), key=oprandom.key(7),
+        )
+    out = []
+    for idx in batches:
+        clipped = step(x[idx], y[idx]).clipped
+        assert D.sum_gradients(clipped) is clipped
+        opt.step(clipped)
+        out.append(_params(case.model))
+    return out
+
+
+def _non_private(batches: list[list[int]]) -> dict[str, torch.Tensor]:
+    x, y = _data()
+    case = mlp_case(0, dtype=torch.float64)
+    sgd = torch.optim.SGD(case.model.parameters(), lr=LR, momentum=MOMENTUM)
+    for idx in batches:
+        sgd.zero_grad()
+        case.loss_fn(case.model, x[idx], y[idx]).backward()
+        sgd.step()
+    return _params(case.model)
+
+
+def _assert_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# ----------------------------------------------------------------------------- distributed tests
+def test_ranks_see_the_process_group(runs):
+    for r, res in enumerate(runs):
+        assert (res["rank"], res["world_size"], res["is_distributed"]) == (r, WORLD, True)
+
+
+def test_sigma0_two_ranks_equal_one_process_and_ddp(runs):
+    """sigma = 0, C = inf, fixed batches with q N = B: the 2-rank DP run equals the 1-process DP
+    run on the union of the batches, plain DDP, and plain full-batch training."""
+    assert all(res["not_private_warnings"] >= 2 for res in runs)  # C = inf and sigma = 0
+    batches = _global_batches()
+    single = _single_process_dp(batches)
+    reference = _non_private(batches[:STEPS])
+    for res in runs:
+        for got, want in zip(res["dp_params"], single):
+            _assert_close(got, want)
+        _assert_close(res["dp_params"][STEPS - 1], res["ddp_params"])
+        _assert_close(res["dp_params"][STEPS - 1], reference)
+    for a, b in zip(runs[0]["dp_params"], runs[1]["dp_params"]):
+        assert all(torch.equal(a[k], b[k]) for k in a)  # replicas bitwise in sync
+    assert single[STEPS - 1]["0.weight"].sub(mlp_case(0, dtype=torch.float64).model[0].weight).abs().max() > 1e-3
+
+
+def test_optimizer_refuses_a_local_sum_in_a_process_group(runs):
+    for res in runs:
+        assert res["local_sum_refused"] and res["unchanged_after_refusal"]
+
+
+def test_empty_local_batch_completes_the_step(runs):
+    """Step STEPS: rank 1's local batch is empty; step STEPS + 1: every local batch is empty.
+    Both ranks join the all-reduce, see the global count and stay in sync (and equal to the
+    single-process run, checked above)."""
+    for r, res in enumerate(runs):
+        n_global, n_local = res["num_examples"][STEPS]
+        assert (n_global, n_local) == (3, 3 if r == 0 else 0)  # per-example norms stay local
+        assert res["num_examples"][STEPS + 1] == (0, 0)
+        assert [n for n, _ in res["num_examples"][:STEPS]] == [B] * STEPS
+        assert len(res["dp_params"]) == len(_global_batches())
+    # rank 1's empty batch was also its first call of an uncompiled step, with sigma > 0:
+    assert [res["noise_num_examples"] for res in runs] == [4, 4]
+
+
+def test_noise_is_added_once_to_the_global_sum(runs):
+    """sigma > 0: z's gradient is pure noise with std sigma C / (q N) (the single-noise
+    variance), identical on both ranks; parameters stay in sync.
+
+    Criterion: the sample variance of the 20,000 entries within 10 % of (sigma C / q N)^2
+    (its relative standard error is sqrt(2 / 20000) = 1 %, so 10 standard errors), and a
+    Kolmogorov-Smirnov test against N(0, (sigma C / q N)^2) with p > 1e-3. The same criterion
+    rejects noise added once per rank (variance x2) and a variance of half.
+    """
+    expected_var = (SIGMA * C_NOISE / (Q * N)) ** 2
+    sd = math.sqrt(expected_var)
+
+    def accepts(sample: torch.Tensor, var: float) -> bool:
+        s = sample.numpy()
+        ratio = float(np.var(s)) / var
+        return abs(ratio - 1) < 0.1 and stats.kstest(s / math.sqrt(var), "norm").pvalue > P_MIN
+
+    g0, g1 = runs[0]["noise_grad_z"], runs[1]["noise_grad_z"]
+    assert torch.equal(g0, g1)
+    assert accepts(g0, expected_var)
+    assert not accepts(g0, 2 * expected_var) and not accepts(g0, expected_var / 2)
+    wrong = runs[0]["per_rank_noise_grad"]
+    assert not accepts(wrong, expected_var) and accepts(wrong, WORLD * expected_var)
+    assert abs(float(g0.mean())) < 5 * sd / math.sqrt(Z_SIZE)
+    p0, p1 = runs[0]["noise_params"], runs[1]["noise_params"]
+    assert all(torch.equal(p0[k], p1[k]) for k in p0)
+    assert torch.equal(p0["z"], -g0)  # SGD, lr = 1, from z = 0
+
+
+def test_keys_collectives_and_parameters(runs):
+    for res in runs:
+        assert oprandom.key_from_state(res["broadcast_key"]) == oprandom.key(100)
+        assert res["mismatched_keys_raise"] and res["mismatched_c_raise"]
+        ar = res["all_reduce"]
+        torch.testing.assert_close(ar["sum"], torch.tensor([3.0, 10.0]))
+        torch.testing.assert_close(ar["mean"], torch.tensor([1.5, 5.0]))
+        torch.testing.assert_close(ar["max"], torch.tensor([2.0, 10.0]))
+        torch.testing.assert_close(ar["min"], torch.tensor([1.0, 0.0]))
+        assert res["all_reduce_input_unchanged"]
+        tree = res["reduce_pytree"]
+        assert torch.equal(tree["a"], torch.ones(2, 3)) and torch.equal(tree["b"], torch.tensor([1]))
+        assert torch.equal(tree["c"], torch.full((4,), 2.0, dtype=torch.float64))
+        assert torch.equal(res["broadcast_weight"], torch.zeros(2, 3))
+    for r, res in enumerate(runs):
+        rank, world, shard, batch = res["sampler"]
+        assert (rank, world, shard) == (r, WORLD, list(range(r, N, WORLD)))
+        assert batch == D.DistributedPoissonSampler(N, 0.3, key=oprandom.key(5), rank=r, world_size=WORLD).batch_at(0, 0)
+        assert res["local_shard"] == list(range(r, N, WORLD))
+
+
+# ----------------------------------------------------------------------------- one process
+def test_helpers_without_process_group():
+    assert not D.is_distributed() and D.get_rank() == 0 and D.get_world_size() == 1
+    t = torch.arange(3.0)
+    assert D.all_reduce(t, "mean") is t
+    tree = {"a": t, "b": [torch.ones(2, dtype=torch.int64)]}
+    assert D.reduce_pytree(tree, "sum") is tree
+    k = oprandom.key(3)
+    assert D.broadcast_key(k) == k
+    D.check_same_key(k)
+    lin = nn.Linear(2, 2)
+    before = _params(lin)
+    D.broadcast_parameters(lin)
+    _assert_close(_params(lin), before)
+    ds = torch.utils.data.TensorDataset(torch.arange(5))
+    assert list(D.local_shard(ds).indices) == [0, 1, 2, 3, 4]
+    assert list(D.local_shard(ds, rank=2, world_size=3).indices) == [2]
+    clipped = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.ones(1), num_examples=1)
+    assert D.sum_gradients(clipped) is clipped
+    acc = D.sum_gradients([clipped, clipped])
+    assert acc.num_examples == 2 and torch.equal(acc.grads["w"], torch.full((2,), 2.0))
+
+
+def test_helpers_validate_arguments():
+    t = torch.ones(2)
+    with pytest.raises(ConfigurationError, match="op"):
+        D.all_reduce(t, "avg")
+    with pytest.raises(InputTypeError):
+        D.all_reduce(t, 3)
+    with pytest.raises(InputTypeError):
+        D.all_reduce([1.0])
+    with pytest.raises(ConfigurationError, match="mean"):
+        D.reduce_pytree({"i": torch.ones(2, dtype=torch.int64)}, "mean")
+    with pytest.raises(InputTypeError):
+        D.reduce_pytree({"x": 1.0})
+    clipped = ClippedPytree(grads={"w": t}, clipping_norm=1.0, per_example_norms=t, num_examples=2)
+    with pytest.raises(InputTypeError):
+        D.reduce_pytree(clipped)
+    with pytest.raises(InputTypeError):
+        D.sum_gradients({"w": t})
+    normalised = ClippedPytree(grads={"w": t}, clipping_norm=1.0, per_example_norms=t, num_examples=2, normalize_by=2.0)
+    with pytest.raises(ConfigurationError, match="normalize_by"):
+        D.sum_gradients(normalised)
+    with pytest.raises(InputTypeError):
+        D.broadcast_key([0, 0, 0, 0])
+    with pytest.raises(ConfigurationError, match="rank"):
+        D.local_shard(torch.utils.data.TensorDataset(t), rank=2, world_size=2)
+
+
+def test_sampler_configuration():
+    key = oprandom.key(0)
+    s = D.DistributedPoissonSampler(10, 0.2, key=key)
+    assert (s.rank, s.world_size, s.is_poisson, s.truncated_batch_size) == (0, 1, True, None)
+    assert (s.dataset_size, s.sample_rate, s.expected_batch_size, len(s)) == (10, 0.2, 2.0, 5)
+    with pytest.raises(ConfigurationError, match="truncat"):
+        D.DistributedPoissonSampler(10, 0.2, key=key, truncated_batch_size=3)
+    with pytest.raises(ConfigurationError, match="rank"):
+        D.DistributedPoissonSampler(10, 0.2, key=key, rank=2, world_size=2)
+    with pytest.raises(InputTypeError):
+        D.DistributedPoissonSampler(10, 0.2, key=0)
+    # the optimizer reads the global configuration
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        opt = DPOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), noise_multiplier=1.0,
+                          sampler=D.DistributedPoissonSampler(10, 0.2, key=key, rank=1, world_size=2), key=key)
+    assert (opt.sample_rate, opt.dataset_size, opt.expected_batch_size) == (0.2, 10, 2.0)
+
+
+def test_sampler_state_dict():
+    key = oprandom.key(0)
+    s = D.DistributedPoissonSampler(10, 0.5, key=key, rank=1, world_size=2)
+    first = list(s)
+    state = s.state_dict()
+    again = D.DistributedPoissonSampler(10, 0.5, key=key, rank=1, world_size=2)
+    again.load_state_dict(state)
+    assert again.epoch == 1 and list(again) != first
+    other = D.DistributedPoissonSampler(10, 0.5, key=key, rank=0, world_size=2)
+    with pytest.raises(CheckpointError, match="rank"):
+        other.load_state_dict(state)
+
+
+def _union_batches(n: int, q: float, steps: int, world: int, key: oprandom.Key) -> tuple[list[list[int]], list]:
+    samplers = [D.DistributedPoissonSampler(n, q, key=key, rank=r, world_size=world, steps=steps) for r in range(world)]
+    per_rank = [list(s) for s in samplers]
+    union = []
+    for t in range(steps):
+        idx = [samplers[r].shard[p] for r in range(world) for p in per_rank[r][t]]
+        assert len(set(idx)) == len(idx)
+        union.append(sorted(idx))
+    return union, per_rank
+
+
+def _binomial_gof_pvalue(sizes: np.ndarray, n: int, q: float) -> float:
+    """Chi-square goodness of fit of ``sizes`` to Binomial(n, q), tails pooled."""
+    dist = stats.binom(n, q)
+    lo, hi = int(dist.ppf(1e-3)), int(dist.isf(1e-3))
+    clipped = np.clip(sizes, lo, hi)
+    observed = np.array([(clipped == k).sum() for k in range(lo, hi + 1)])
+    probs = np.array([dist.cdf(lo)] + [dist.pmf(k) for k in range(lo + 1, hi)] + [dist.sf(hi - 1)])
+    return float(stats.chisquare(observed, probs / probs.sum() * len(sizes)).pvalue)
+
+
+def test_sampler_union_is_a_poisson_sample_of_the_whole_dataset():
+    """Over 3,000 steps, 3 ranks, N = 50, q = 0.2: the union's size fits Binomial(N, q)
+    (chi-square, p > 1e-3) and every index's inclusion count fits Binomial(steps, q) (sum of
+    squared z-scores against chi2(N), p > 1e-3). The size criterion rejects ranks that share one
+    random stream (the union of identical shard masks)."""
+    n, q, steps, world = 50, 0.2, 3000, 3
+    union, per_rank = _union_batches(n, q, steps, world, oprandom.key(11))
+    sizes = np.array([len(b) for b in union])
+    assert _binomial_gof_pvalue(sizes, n, q) > P_MIN
+    counts = np.zeros(n)
+    for b in union:
+        counts[b] += 1
+    z = (counts - steps * q) / math.sqrt(steps * q * (1 - q))
+    assert stats.chi2.sf(float((z**2).sum()), n) > P_MIN
+    # Wrong: every rank draws with the same generator -> the same positions on every shard.
+    lens = [len(range(r, n, world)) for r in range(world)]
+    shared = np.array([sum(sum(p < m for p in per_rank[0][t]) for m in lens) for t in range(steps)])
+    assert _binomial_gof_pvalue(shared, n, q) < 1e-6
+
+
+def test_sampler_streams_differ_per_rank():
+    key = oprandom.key(2)
+    a = D.DistributedPoissonSampler(40, 0.5, key=key, rank=0, world_size=2, steps=5)
+    b = D.DistributedPoissonSampler(40, 0.5, key=key, rank=1, world_size=2, steps=5)
+    assert list(a) != list(b)
+    assert all(a.batch_at(0, t) != b.batch_at(0, t) for t in range(5))
+    assert set(a.shard).isdisjoint(b.shard) and sorted([*a.shard, *b.shard]) == list(range(40))
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), sys.argv[2], sys.argv[3])
