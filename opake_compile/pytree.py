@@ -271,7 +271,8 @@ def global_norm(tree: PyTree, *, compute_dtype: torch.dtype | None = None) -> to
     device = leaves[0].device
     total = torch.zeros((), dtype=compute_dtype, device=device)
     for leaf in leaves:
-        x = leaf.abs() if leaf.dtype.is_complex else leaf
+        # |z|^2 = re^2 + im^2, squared in compute_dtype (abs() would round |z| in the leaf's precision).
+        x = torch.view_as_real(leaf.resolve_conj()) if leaf.dtype.is_complex else leaf
         x = x.to(device=device, dtype=compute_dtype)
         total = total + (x * x).sum()
     return total.sqrt()

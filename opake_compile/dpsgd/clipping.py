@@ -117,7 +117,7 @@ def per_example_global_norms(per_example_tree: Any) -> torch.Tensor:
     acc = torch.float64 if any(l.dtype in (torch.float64, torch.complex128) for l in leaves) else torch.float32
     total = None
     for leaf in leaves:
-        x = leaf.abs() if leaf.dtype.is_complex else leaf
+        x = torch.view_as_real(leaf.resolve_conj()) if leaf.dtype.is_complex else leaf  # |z|^2 = re^2 + im^2
         sq = x.to(acc).reshape(x.shape[0], -1).square().sum(dim=1)
         total = sq if total is None else total + sq
     return total.sqrt()
@@ -237,6 +237,8 @@ def _finish(
 ) -> ClippedPytree:
     if normalize_by is not None:
         summed = optree.tree_map(lambda t: t / normalize_by, summed)
+    # The clipped sum is data, not part of an autograd graph: detaching frees the vmapped graph.
+    summed = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, summed)
     n = int(norms.shape[0])
     return ClippedPytree(
         grads=summed,
@@ -433,8 +435,10 @@ def adaptive_clipped_grad(
         raise ConfigurationError(f"Expected target_quantile={target_quantile!r} in [0, 1].")
     if not (expected_batch_size > 0):
         raise ConfigurationError(f"Expected expected_batch_size={expected_batch_size!r} > 0.")
-    if count_noise_multiplier < 0:
-        raise ConfigurationError(f"Expected count_noise_multiplier={count_noise_multiplier!r} >= 0.")
+    if not (0 <= count_noise_multiplier < math.inf):  # also refuses NaN, which would poison C
+        raise ConfigurationError(f"Expected count_noise_multiplier={count_noise_multiplier!r} to be finite and >= 0.")
+    if not (0 < learning_rate < math.inf):
+        raise ConfigurationError(f"Expected learning_rate={learning_rate!r} to be finite and > 0.")
     if count_noise_multiplier == 0:
         warnings.warn("count_noise_multiplier=0: the adaptive clipping norm is not private.", NotPrivateWarning, stacklevel=2)
     norm_by = _check_normalize_by(normalize_by)

@@ -1,0 +1,108 @@
+"""Tests for opake_compile.exceptions (stable categories) and opake_compile._validate."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from opake_compile import _validate as V
+from opake_compile import exceptions as E
+
+# ---------------------------------------------------------------------------------- exceptions
+
+
+@pytest.mark.parametrize(
+    "cls, builtin",
+    [
+        (E.InputTypeError, TypeError),
+        (E.ConfigurationError, ValueError),
+        (E.CalibrationError, ValueError),
+        (E.PrivacyBudgetExhaustedError, RuntimeError),
+        (E.CheckpointError, ValueError),
+        (E.UnsupportedOperationError, RuntimeError),
+    ],
+)
+def test_categories_derive_from_base_and_builtin(cls, builtin):
+    assert issubclass(cls, E.OpakeError) and issubclass(cls, builtin)
+    with pytest.raises(E.OpakeError, match="boom"):
+        raise cls("boom")
+
+
+def test_categories_are_distinct_and_exported():
+    cats = [getattr(E, n) for n in E.__all__ if n != "OpakeError"]
+    assert len(set(cats)) == len(cats) == 6
+    for a in cats:
+        for b in cats:
+            assert (a is b) == issubclass(a, b)
+
+
+# ------------------------------------------------------------------------------ clipping_norm
+
+
+@pytest.mark.parametrize("value", [1, 0.5, 1e-12, 3.0e6, torch.tensor(2.0), torch.tensor(2, dtype=torch.int64), np.float32(0.25)])
+def test_clipping_norm_accepts_positive_numbers(value):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = V.check_clipping_norm(value)
+    assert isinstance(c, float) and c == pytest.approx(float(value))
+
+
+def test_clipping_norm_inf_warns():
+    with pytest.warns(V.NotPrivateWarning, match="clipping_norm=inf"):
+        assert V.check_clipping_norm(math.inf) == math.inf
+    with pytest.warns(V.NotPrivateWarning):
+        V.check_clipping_norm(torch.tensor(math.inf))
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1, -1e-9, math.nan, -math.inf, torch.tensor(0.0), torch.tensor(math.nan)])
+def test_clipping_norm_nonpositive_or_nan_is_configuration_error(value):
+    with pytest.raises(E.ConfigurationError, match="clipping_norm"):
+        V.check_clipping_norm(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [True, False, "1.0", None, [1.0], 1 + 0j, torch.ones(1), torch.ones(2), torch.tensor(True), torch.tensor(1 + 1j)],
+)
+def test_clipping_norm_non_numeric_is_input_type_error(value):
+    with pytest.raises(E.InputTypeError):
+        V.check_clipping_norm(value)
+
+
+def test_error_message_names_argument_and_range():
+    with pytest.raises(E.ConfigurationError, match=r"my_c=-1\.0 > 0"):
+        V.check_clipping_norm(-1.0, name="my_c")
+
+
+# ------------------------------------------------------------------------------- other checks
+
+
+def test_noise_multiplier():
+    assert V.check_noise_multiplier(1.5) == 1.5
+    with pytest.warns(V.NotPrivateWarning):
+        assert V.check_noise_multiplier(0) == 0.0
+    for bad in (-0.1, math.nan, math.inf):
+        with pytest.raises(E.ConfigurationError):
+            V.check_noise_multiplier(bad)
+    with pytest.raises(E.InputTypeError):
+        V.check_noise_multiplier("1")
+
+
+def test_probability_and_ints():
+    assert V.check_probability(0, name="q") == 0.0 and V.check_probability(1, name="q") == 1.0
+    for bad in (-0.01, 1.01, math.nan):
+        with pytest.raises(E.ConfigurationError, match="q="):
+            V.check_probability(bad, name="q")
+    assert V.check_positive_int(np.int64(3), name="n") == 3
+    assert V.check_nonnegative_int(0, name="n") == 0
+    with pytest.raises(E.ConfigurationError):
+        V.check_positive_int(0, name="n")
+    with pytest.raises(E.ConfigurationError):
+        V.check_nonnegative_int(-1, name="n")
+    for bad in (True, 1.0, "1"):
+        with pytest.raises(E.InputTypeError):
+            V.check_positive_int(bad, name="n")
