@@ -58,6 +58,9 @@ class Factor:
         rows: R.
         onehot: whether ``a`` holds ids.
         padding_idx: for one-hot factors, an id whose rows get no gradient (``None``: none).
+        cleanup: nodes of the materialised form the rule accounted for (an in-place zeroing
+            of the padding row, say) that the rewrite must erase, or the old per-example
+            gradient would stay alive.
     """
 
     rule: str
@@ -66,6 +69,7 @@ class Factor:
     rows: int
     onehot: bool = False
     padding_idx: int | None = None
+    cleanup: tuple[fx.Node, ...] = ()
 
     @property
     def k(self) -> int:

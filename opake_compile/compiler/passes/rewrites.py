@@ -100,7 +100,39 @@ def _matrix_form(g: fx.Node) -> fx.Node | None:
         return None
 
 
+def _mutated(g: fx.Node, factors: list[Factor]) -> bool:
+    """Whether an in-place op the rules did not account for touches the materialised form
+    (``G`` and what lies between it and the factors). Such a graph is left alone: replacing
+    ``G`` would silently drop the mutation."""
+    stop: set[fx.Node] = set()
+    for f in factors:
+        for n in (f.a, f.b):
+            stop.add(n)
+            stop.update(n.all_input_nodes)
+    allowed = {n for f in factors for n in f.cleanup}
+    seen, todo = set(), [g]
+    while todo:
+        node = todo.pop()
+        if node in seen or node in stop or node.op != "call_function":
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in allowed:
+                continue
+            if isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
+                return True
+        todo.extend(node.all_input_nodes)
+    return False
+
+
 def _match(em: Emitter, g: fx.Node, p: int) -> tuple[list[Factor], str] | tuple[None, str]:
+    factors, why = _match_rules(em, g, p)
+    if factors is not None and _mutated(g, factors):
+        return None, "mutated in place"
+    return factors, why
+
+
+def _match_rules(em: Emitter, g: fx.Node, p: int) -> tuple[list[Factor], str] | tuple[None, str]:
     for rule in WHOLE_RULES.values():
         f = rule(em, g, p)
         if f is not None:
@@ -167,6 +199,9 @@ def ghost_clipping(gm: fx.GraphModule) -> PassReport:
             summed = em_out(aten._to_copy.default, summed, dtype=val(g).dtype)
         summed.meta["opake_role"] = ("clipped_sum", name)
         old_sum.replace_all_uses_with(summed)
+        for f in factors:
+            for node in f.cleanup:
+                graph.erase_node(node)
         for f in factors:
             matches[f.rule] = matches.get(f.rule, 0) + 1
     return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage)
