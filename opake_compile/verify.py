@@ -83,14 +83,17 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     if not isinstance(step, DPStep):
         raise InputTypeError(f"verify expects a DPStep from compile_dp, got {type(step).__name__}.")
     result = step(*args)
-    compiled = list(step._cache.values())[-1] if step._cache else None
+    # The graph this call ran (its cache signature), not whichever graph was built last.
+    batched = step._batched_positions(len(args))
+    trainable = tuple(k for k, p in step.model.named_parameters() if p.requires_grad)
+    sig = step._signature(args, batched, trainable, step.physical_batch_size) if step._cache else None
+    compiled = step._cache.get(sig) if sig is not None else None
     if compiled is not None and compiled.traced.has_randomness:
         raise ConfigurationError(
             "The loss draws randomness (e.g. dropout in training mode), so the compiled and eager "
             "paths cannot be compared; call model.eval() (or disable the randomness) for verify."
         )
     model = step.model
-    batched = step._batched_positions(len(args))
     named = dict(model.named_parameters())
     trainable = {k: p.detach() for k, p in named.items() if p.requires_grad}
     frozen = {k: p.detach() for k, p in named.items() if not p.requires_grad}

@@ -276,13 +276,18 @@ class DPStep:
             return contextlib.nullcontext()
         self._key, draw = _random.split(self._key, 2)
         seed = _random.generator_from_key(draw).initial_seed()
-        devices = [device] if device.type == "cuda" else []
 
         @contextlib.contextmanager
         def scope():
-            with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-                torch.manual_seed(seed)
-                yield
+            # Seed only the generator of the device the graph runs on, and restore it after.
+            if device.type == "cuda":
+                with torch.random.fork_rng(devices=[device], device_type="cuda"):
+                    torch.cuda.default_generators[device.index or 0].manual_seed(seed)
+                    yield
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.random.default_generator.manual_seed(seed)
+                    yield
 
         return scope()
 
@@ -291,7 +296,11 @@ class DPStep:
         clipped = ClippedPytree(
             grads={k: torch.zeros_like(params[k], memory_format=torch.contiguous_format).detach() for k in trainable},
             clipping_norm=self.clipping_norm,
-            per_example_norms=torch.zeros(0, device=device),
+            per_example_norms=torch.zeros(
+                0,
+                device=device,
+                dtype=torch.float64 if any(params[k].dtype == torch.float64 for k in trainable) else torch.float32,
+            ),
             num_examples=0,
             parameters={k: params[k] for k in trainable},
         )

@@ -1,0 +1,273 @@
+"""Small model factories and the eager oracles shared by the compiler tests.
+
+Not a test module (leading underscore). ``property_tests/`` imports it through its conftest,
+which puts this directory on ``sys.path``.
+
+Every factory builds its module under ``torch.random.fork_rng`` with a local seed, so no test
+changes (or depends on) torch's global generator. A :class:`Case` bundles a model, a batch loss
+``loss_fn(model, *args)`` written for a whole batch (mean reduction unless said otherwise) and a
+``make_batch(n, seed)`` that returns the positional arguments of ``step(*args)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from opake_compile.dpsgd.clipping import clipped_grad
+
+__all__ = [
+    "Case",
+    "mlp_case",
+    "conv2d_case",
+    "conv1d_case",
+    "embedding_case",
+    "lora_case",
+    "CASE_FACTORIES",
+    "freeze_random",
+    "seeded",
+    "reference_clipped",
+    "loop_reference",
+    "tolerance",
+    "assert_trees_close",
+    "tree_distance",
+]
+
+
+def seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _build(seed: int, fn: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(int(seed))
+        model = fn()
+    return model.to(dtype)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    model: nn.Module
+    loss_fn: Callable[..., torch.Tensor]
+    make_batch: Callable[[int, int], tuple]
+    dtype: torch.dtype
+
+
+def _classify(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(x), y)
+
+
+# ----------------------------------------------------------------------------- factories
+def mlp_case(seed: int = 0, *, dtype: torch.dtype = torch.float32, layernorm: bool = True, din: int = 5, hidden: int = 7, classes: int = 3) -> Case:
+    """Linear -> [LayerNorm] -> Tanh -> Linear, cross-entropy."""
+
+    def make() -> nn.Module:
+        layers: list[nn.Module] = [nn.Linear(din, hidden)]
+        if layernorm:
+            layers.append(nn.LayerNorm(hidden))
+        layers += [nn.Tanh(), nn.Linear(hidden, classes)]
+        return nn.Sequential(*layers)
+
+    def batch(n: int, s: int) -> tuple:
+        g = seeded(s)
+        return (torch.randn(n, din, generator=g, dtype=dtype) * 2, torch.randint(0, classes, (n,), generator=g))
+
+    return Case("mlp", _build(seed, make, dtype), _classify, batch, dtype)
+
+
+def conv2d_case(seed: int = 0, *, dtype: torch.dtype = torch.float32, pool: str = "max", classes: int = 3) -> Case:
+    """Conv2d -> ReLU -> Max/AvgPool2d -> GroupNorm -> Conv2d -> flatten -> Linear."""
+
+    def make() -> nn.Module:
+        p = nn.MaxPool2d(2) if pool == "max" else nn.AvgPool2d(2)
+        return nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), p, nn.GroupNorm(2, 4),
+            nn.Conv2d(4, 3, 2), nn.Flatten(), nn.Linear(3 * 2 * 2, classes),
+        )
+
+    def batch(n: int, s: int) -> tuple:
+        g = seeded(s)
+        return (torch.randn(n, 2, 6, 6, generator=g, dtype=dtype), torch.randint(0, classes, (n,), generator=g))
+
+    return Case("conv2d", _build(seed, make, dtype), _classify, batch, dtype)
+
+
+def conv1d_case(seed: int = 0, *, dtype: torch.dtype = torch.float32, classes: int = 2) -> Case:
+    """Conv1d -> GELU -> AvgPool1d -> LayerNorm over the last dim -> Linear, MSE-like loss
+    with a sum reduction (the per-example loss is the batch loss at batch one either way)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(3, 4, 3)
+            self.pool = nn.AvgPool1d(2)
+            self.norm = nn.LayerNorm(3)
+            self.head = nn.Linear(12, classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(self.pool(F.gelu(self.conv(x))))  # (B, 4, 3)
+            return self.head(h.flatten(1))
+
+    def loss(m: nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return 0.5 * ((m(x) - t) ** 2).sum()
+
+    def batch(n: int, s: int) -> tuple:
+        g = seeded(s)
+        return (torch.randn(n, 3, 8, generator=g, dtype=dtype), torch.randn(n, classes, generator=g, dtype=dtype))
+
+    return Case("conv1d", _build(seed, Net, dtype), loss, batch, dtype)
+
+
+def embedding_case(seed: int = 0, *, dtype: torch.dtype = torch.float32, vocab: int = 11, d: int = 6, seq: int = 4, classes: int = 3) -> Case:
+    """Token embedding + position embedding -> Linear over tokens -> LayerNorm -> mean over
+    the sequence -> Linear head."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d)
+            self.pos = nn.Embedding(seq, d)
+            self.proj = nn.Linear(d, d)
+            self.norm = nn.LayerNorm(d)
+            self.head = nn.Linear(d, classes)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            pos = torch.arange(ids.shape[1], device=ids.device)
+            h = self.tok(ids) + self.pos(pos)
+            h = self.norm(torch.tanh(self.proj(h)))
+            return self.head(h.mean(dim=1))
+
+    def batch(n: int, s: int) -> tuple:
+        g = seeded(s)
+        return (torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, classes, (n,), generator=g))
+
+    return Case("embedding", _build(seed, Net, dtype), _classify, batch, dtype)
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update ``B @ A`` (Hu et al. 2021)."""
+
+    def __init__(self, din: int, dout: int, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(din, dout)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, din) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(dout, rank) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.T @ self.lora_b.T
+
+
+def lora_case(seed: int = 0, *, dtype: torch.dtype = torch.float32, din: int = 6, dout: int = 4, rank: int = 2) -> Case:
+    def batch(n: int, s: int) -> tuple:
+        g = seeded(s)
+        return (torch.randn(n, din, generator=g, dtype=dtype), torch.randint(0, dout, (n,), generator=g))
+
+    return Case("lora", _build(seed, lambda: LoRALinear(din, dout, rank), dtype), _classify, batch, dtype)
+
+
+CASE_FACTORIES: dict[str, Callable[..., Case]] = {
+    "mlp": mlp_case,
+    "conv2d": conv2d_case,
+    "conv1d": conv1d_case,
+    "embedding": embedding_case,
+}
+
+
+def freeze_random(model: nn.Module, seed: int, p_frozen: float = 0.4) -> list[str]:
+    """Freeze each parameter with probability ``p_frozen`` (at least one stays trainable).
+    Returns the names of the trainable parameters."""
+    rng = random.Random(seed)
+    names = [n for n, _ in model.named_parameters()]
+    keep = rng.choice(names)
+    for n, p in model.named_parameters():
+        p.requires_grad_(n == keep or rng.random() >= p_frozen)
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ----------------------------------------------------------------------------- oracles
+class _Wrapped(nn.Module):
+    """``functional_call`` target: the user's loss around the user's model."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return self.loss_fn(self.model, *args)
+
+
+def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    named = dict(model.named_parameters())
+    train = {k: p.detach() for k, p in named.items() if p.requires_grad}
+    rest = {f"model.{k}": p.detach() for k, p in named.items() if not p.requires_grad}
+    rest.update({f"model.{k}": b for k, b in model.named_buffers()})
+    return train, rest
+
+
+def reference_clipped(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple, clipping_norm: float, batch_argnums: Sequence[int] | None = None):
+    """The eager reference: :func:`clipped_grad` (``vmap(grad)``) of the same per-example loss
+    (``loss_fn`` on a batch of one) over the trainable parameters, via ``functional_call``."""
+    wrapped = _Wrapped(model, loss_fn)
+    train, rest = _state(model)
+    batched = tuple(range(len(args))) if batch_argnums is None else tuple(batch_argnums)
+
+    def loss(params: dict[str, torch.Tensor], *a: Any) -> torch.Tensor:
+        state = {f"model.{k}": v for k, v in params.items()}
+        state.update(rest)
+        return torch.func.functional_call(wrapped, state, a)
+
+    grad_fn, st = clipped_grad(loss, 0, batch_argnums=tuple(i + 1 for i in batched), clipping_norm=clipping_norm)
+    out, _ = grad_fn(train, *args, state=st)
+    return out
+
+
+def loop_reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple, clipping_norm: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The slowest, most obviously right oracle: a Python loop over examples at batch size one
+    with ``torch.autograd.grad``, global-norm clipping in float64, and a sum. All args batched."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    n = int(args[0].shape[0])
+    total = {k: torch.zeros(p.shape, dtype=torch.float64) for k, p in params.items()}
+    norms = []
+    for i in range(n):
+        one = tuple(a[i : i + 1] for a in args)
+        grads = torch.autograd.grad(loss_fn(model, *one), list(params.values()), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params.values())]
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+        norms.append(norm)
+        if not math.isfinite(norm):
+            continue
+        factor = 1.0 if norm == 0 else min(1.0, clipping_norm / norm)
+        for k, g in zip(params, grads):
+            total[k] += g.double() * factor
+    return total, torch.tensor(norms, dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- comparisons
+def tolerance(dtype: torch.dtype, scale: float = 1.0, factor: float = 2000.0) -> float:
+    """An absolute tolerance ``factor * eps(dtype) * max(1, scale)``."""
+    return factor * torch.finfo(dtype).eps * max(1.0, scale)
+
+
+def assert_trees_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], dtype: torch.dtype, *, factor: float = 2000.0) -> None:
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    scale = max([float(w.double().abs().max()) for w in want.values() if w.numel()] + [1.0])
+    tol = tolerance(dtype, scale, factor)
+    for k in want:
+        assert got[k].shape == want[k].shape, (k, got[k].shape, want[k].shape)
+        diff = float((got[k].double() - want[k].double()).abs().max()) if want[k].numel() else 0.0
+        assert diff <= tol, f"{k}: max |diff| {diff:.3g} > tol {tol:.3g}"
+
+
+def tree_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Global L2 distance between two gradient dicts (float64)."""
+    return math.sqrt(sum(float((a[k].double() - b[k].double()).square().sum()) for k in a))

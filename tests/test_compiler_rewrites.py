@@ -1,0 +1,535 @@
+"""Rewrite passes (``compiler/passes/rewrites.py`` and its rules): ghost norms and book-keeping.
+
+Every test runs the same step twice, rewritten (``rewrites=None``: all rewrite passes) and
+unrewritten (``rewrites=[]``: every per-example gradient materialised, the reference here; the
+unrewritten path itself is checked against the loop oracle in ``test_compiler_step.py``), and
+compares clipped sums, per-example norms and the coverage labels. ``backend=None`` runs the FX
+graph unlowered; the one test marked ``inductor`` lowers a rewritten transformer-ish model.
+Clipping norms are chosen so that clipping is active (the clip factor matters), and every
+compared gradient is asserted non-zero, so a wrong factor cannot pass by accident.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _models import loop_reference
+from opake_compile import compile_dp
+
+F64 = torch.float64
+
+LINEAR = "ghost:linear"
+LINEAR_BK = "bk:linear (norm materialized)"
+EMB = "ghost:embedding"
+TIED = "ghost:embedding+linear"
+CONV = "ghost:conv"
+CONV_BK = "bk:conv (norm materialized)"
+DIRECT = "direct (per-example vector)"
+MAT = "materialized"
+
+
+# ----------------------------------------------------------------------------- helpers
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _build(fn, seed: int = 0, dtype: torch.dtype = F64) -> nn.Module:
+    """Build a module with a local seed (torch's global generator is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = fn()
+    return model.to(dtype)
+
+
+def _randn(*shape, seed: int = 1, dtype: torch.dtype = F64) -> torch.Tensor:
+    return torch.randn(*shape, generator=_gen(seed), dtype=dtype)
+
+
+def _rtol(dtype: torch.dtype) -> float:
+    return 1e-10 if dtype == F64 else 1e-4
+
+
+def _steps(model, loss_fn, *, c: float, p: int = 4, backend=None):
+    kw = dict(model=model, clipping_norm=c, physical_batch_size=p)
+    ghost = compile_dp(loss_fn, backend=backend, **kw)
+    plain = compile_dp(loss_fn, backend=None, rewrites=[], **kw)
+    return ghost, plain
+
+
+def _assert_same(got, want, dtype: torch.dtype = F64, *, allow_zero: tuple[str, ...] = ()) -> None:
+    """Clipped sums and per-example norms agree within a dtype-scaled relative tolerance."""
+    rtol = _rtol(dtype)
+    g, w = got.clipped, want.clipped
+    assert set(g.grads) == set(w.grads)
+    scale = max([1.0] + [float(t.double().abs().max()) for t in w.grads.values()])
+    for k, t in w.grads.items():
+        assert g.grads[k].shape == t.shape and g.grads[k].dtype == t.dtype, k
+        if k not in allow_zero:
+            assert float(t.abs().max()) > 0, f"{k}: reference gradient is zero, the comparison proves nothing"
+        diff = float((g.grads[k].double() - t.double()).abs().max())
+        assert diff <= rtol * scale, f"{k}: max |diff| {diff:.3g} > {rtol * scale:.3g}"
+    gn, wn = g.per_example_norms.double(), w.per_example_norms.double()
+    assert gn.shape == wn.shape
+    finite = torch.isfinite(wn)
+    assert torch.equal(finite, torch.isfinite(gn))
+    if finite.any():
+        nscale = max(1.0, float(wn[finite].max()))
+        ndiff = float((gn[finite] - wn[finite]).abs().max())
+        assert ndiff <= rtol * nscale, f"norms: max |diff| {ndiff:.3g} > {rtol * nscale:.3g}"
+    assert g.num_examples == w.num_examples and g.num_nonfinite == w.num_nonfinite
+
+
+def _compare(model, loss_fn, args, *, c: float, p: int = 4, dtype=F64, expected: dict[str, str], allow_zero=()):
+    """Rewritten vs unrewritten on ``args``; checks that clipping is active and the coverage."""
+    ghost, plain = _steps(model, loss_fn, c=c, p=p)
+    got, want = ghost(*args), plain(*args)
+    norms = want.clipped.per_example_norms
+    assert bool((norms[torch.isfinite(norms)] > c).any()), "no example is clipped: choose a smaller C"
+    _assert_same(got, want, dtype, allow_zero=allow_zero)
+    assert got.coverage == expected
+    assert set(want.coverage.values()) == {MAT}
+    return got, want
+
+
+def _sq_sum(m, *args):
+    return m(*args).pow(2).sum()
+
+
+def _tanh_sum(m, *args):
+    return torch.tanh(m(*args)).sum()
+
+
+# ----------------------------------------------------------------------------- linear rule
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_linear_2d_input(bias):
+    model = _build(lambda: nn.Linear(5, 3, bias=bias))
+    expected = {"weight": LINEAR} | ({"bias": DIRECT} if bias else {})
+    _compare(model, _sq_sum, (_randn(6, 5),), c=0.5, expected=expected)
+
+
+def test_linear_2d_input_float32():
+    model = _build(lambda: nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), dtype=torch.float32)
+    x = _randn(7, 6, dtype=torch.float32)
+    y = torch.randint(0, 3, (7,), generator=_gen(2))
+    expected = {"0.weight": LINEAR, "0.bias": DIRECT, "2.weight": LINEAR, "2.bias": DIRECT}
+    _compare(model, lambda m, x, y: F.cross_entropy(m(x), y), (x, y), c=0.3, dtype=torch.float32, expected=expected)
+
+
+def test_linear_sequence_gram_norm():
+    # K = T = 2 positions, R = C = 8: K (R + C) = 32 <= R C = 64, so the Gram form is cheaper.
+    model = _build(lambda: nn.Linear(8, 8))
+    _compare(model, _tanh_sum, (_randn(6, 2, 8),), c=0.5, expected={"weight": LINEAR, "bias": DIRECT})
+
+
+def test_linear_sequence_materialized_norm():
+    # K = T = 20, R = 2, C = 3: the Gram form would cost more; the norm materialises, the sum
+    # stays book-keeping.
+    model = _build(lambda: nn.Linear(3, 2))
+    _compare(model, _tanh_sum, (_randn(6, 20, 3),), c=0.5, expected={"weight": LINEAR_BK, "bias": DIRECT})
+
+
+def test_linear_sequence_four_dim_input():
+    model = _build(lambda: nn.Linear(6, 6))
+    _compare(model, _tanh_sum, (_randn(5, 2, 1, 6),), c=0.5, expected={"weight": LINEAR, "bias": DIRECT})
+
+
+class Conv1D(nn.Module):
+    """GPT-2's ``Conv1D``: a raw trainable weight of shape (in, out) used through ``addmm``."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(din, dout) * 0.5)
+        self.bias = nn.Parameter(torch.randn(dout) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out_shape = x.shape[:-1] + (self.weight.shape[1],)
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(out_shape)
+
+
+class MatmulParam(nn.Module):
+    """``x @ W`` against a raw trainable parameter of shape (in, out), no bias."""
+
+    def __init__(self, din: int, dout: int) -> None:
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(din, dout) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.W
+
+
+@pytest.mark.parametrize("x_shape", [(6, 5), (6, 3, 5)], ids=["2d", "seq"])
+def test_addmm_raw_parameter_gpt2_conv1d(x_shape):
+    model = _build(lambda: Conv1D(5, 4))
+    _compare(model, _tanh_sum, (_randn(*x_shape),), c=0.5, expected={"weight": LINEAR, "bias": DIRECT})
+
+
+@pytest.mark.parametrize("x_shape", [(6, 5), (6, 3, 5)], ids=["2d", "seq"])
+def test_matmul_raw_parameter(x_shape):
+    model = _build(lambda: MatmulParam(5, 4))
+    _compare(model, _tanh_sum, (_randn(*x_shape),), c=0.5, expected={"W": LINEAR})
+
+
+class Twice(nn.Module):
+    """One Linear applied twice: each per-example weight gradient is a sum of two terms."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+@pytest.mark.parametrize("x_shape", [(6, 4), (6, 2, 8)], ids=["2d", "seq"])
+def test_weight_used_twice_sums_both_terms(x_shape):
+    model = _build(lambda: Twice(x_shape[-1]))
+    got, _ = _compare(model, _sq_sum, (_randn(*x_shape),), c=0.5, expected={"lin.weight": LINEAR, "lin.bias": DIRECT})
+    assert got.clipped.per_example_norms.shape == (6,)
+
+
+# ----------------------------------------------------------------------------- embedding rule
+class TokenModel(nn.Module):
+    def __init__(self, vocab: int = 10, d: int = 6, padding_idx: int | None = None, seq: int | None = None) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.pos = nn.Embedding(seq, d) if seq is not None else None
+        self.head = nn.Linear(d, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok(ids)
+        if self.pos is not None:
+            h = h + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        return self.head(torch.tanh(h)).sum(1)
+
+
+# Repeated ids inside a sequence (rows 0, 2, 3, 5) and an example with a single id.
+IDS = torch.tensor([[1, 1, 2, 3], [0, 0, 0, 0], [5, 5, 5, 1], [9, 0, 9, 2], [3, 4, 5, 6], [7, 7, 0, 1]])
+# The head sees (P, T=4, d=6) positions: the Gram form costs more, so its norm materialises.
+HEAD = {"head.weight": LINEAR_BK, "head.bias": DIRECT}
+
+
+def test_embedding_batched_ids_with_repeats():
+    model = _build(lambda: TokenModel())
+    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB} | HEAD)
+
+
+@pytest.mark.parametrize("ids_shape", [(5,), (5, 2, 3)], ids=["one-id", "2d-ids"])
+def test_embedding_other_id_shapes(ids_shape):
+    model = _build(lambda: nn.Embedding(7, 3))
+    ids = torch.randint(0, 7, ids_shape, generator=_gen(3))
+    _compare(model, _tanh_sum, (ids,), c=0.3, expected={"weight": EMB})
+
+
+def test_embedding_padding_idx_rows_get_zero_gradient():
+    model = _build(lambda: TokenModel(padding_idx=0))
+    got, want = _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB} | HEAD)
+    assert float(want.clipped.grads["tok.weight"][0].abs().max()) == 0.0
+    assert float(got.clipped.grads["tok.weight"][0].abs().max()) == 0.0
+
+
+def test_position_embedding_shared_ids_stays_materialized():
+    model = _build(lambda: TokenModel(seq=4))
+    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB, "pos.weight": MAT} | HEAD)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_embedding_never_materialises_vocab_by_dim_per_example(padding_idx):
+    vocab, d, p = 1000, 4, 4
+    model = _build(lambda: nn.Embedding(vocab, d, padding_idx=padding_idx))
+    ghost, plain = _steps(model, _tanh_sum, c=0.5, p=p)
+    ids = torch.randint(0, vocab, (p, 3), generator=_gen(4))
+    ids[0, 1] = 3
+    _assert_same(ghost(ids), plain(ids))
+    assert ghost.coverage == {"weight": EMB}
+
+    def biggest(step) -> int:
+        gm = list(step._cache.values())[-1].traced.gm
+        vals = [n.meta.get("val") for n in gm.graph.nodes]
+        return max(v.numel() for v in vals if isinstance(v, torch.Tensor))
+
+    assert biggest(plain) >= p * vocab * d  # the reference does form (P, V, d)
+    assert biggest(ghost) < p * vocab * d
+
+
+class TiedLM(nn.Module):
+    """Token embedding, LayerNorm, and an LM head sharing the embedding matrix."""
+
+    def __init__(self, vocab: int = 10, d: int = 6, form: str = "functional") -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.form = form
+        if form == "module":
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+            self.lm_head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.tok(ids))
+        return self.lm_head(h) if self.form == "module" else F.linear(h, self.tok.weight)
+
+
+def _lm_loss(m, ids):
+    logits = m(ids)[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("form", ["functional", "module"])
+def test_tied_embedding_and_lm_head(form):
+    model = _build(lambda: TiedLM(form=form))
+    expected = {"tok.weight": TIED, "norm.weight": DIRECT, "norm.bias": DIRECT}
+    _compare(model, _lm_loss, (IDS,), c=0.2, expected=expected)
+
+
+# ----------------------------------------------------------------------------- conv rule
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(stride=2, padding=1),
+        dict(stride=1, padding=2, dilation=2),
+        dict(stride=(2, 1), padding=(0, 1), dilation=(1, 2), bias=False),
+    ],
+    ids=["stride-pad", "dilation", "asymmetric-nobias"],
+)
+def test_conv2d_many_positions_norm_materialized(kw):
+    model = _build(lambda: nn.Conv2d(3, 4, 3, **kw))
+    expected = {"weight": CONV_BK} | ({} if kw.get("bias") is False else {"bias": DIRECT})
+    _compare(model, _tanh_sum, (_randn(6, 3, 9, 9),), c=0.5, expected=expected)
+
+
+def test_conv2d_few_positions_ghost_norm():
+    # L = 4 output positions, R = 8, C = 8*3*3: L (R + C) <= R C, the Gram form is cheaper.
+    model = _build(lambda: nn.Conv2d(8, 8, 3, padding=1, stride=2))
+    _compare(model, _tanh_sum, (_randn(5, 8, 4, 4),), c=0.5, expected={"weight": CONV, "bias": DIRECT})
+
+
+@pytest.mark.parametrize("length,expected", [(20, CONV_BK), (4, CONV)], ids=["long", "short"])
+def test_conv1d(length, expected):
+    model = _build(lambda: nn.Conv1d(8, 8, 3, stride=2, padding=1))
+    _compare(model, _tanh_sum, (_randn(6, 8, length),), c=0.5, expected={"weight": expected, "bias": DIRECT})
+
+
+def test_grouped_conv_stays_materialized():
+    model = _build(lambda: nn.Conv2d(4, 4, 3, groups=2))
+    _compare(model, _tanh_sum, (_randn(6, 4, 6, 6),), c=0.5, expected={"weight": MAT, "bias": DIRECT})
+
+
+# ----------------------------------------------------------------------------- norms, vectors
+def test_groupnorm_and_layernorm_affine_are_direct():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3)
+            self.gn = nn.GroupNorm(2, 4)
+            self.ln = nn.LayerNorm(4)
+            self.rms = nn.RMSNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.gn(self.conv(x))  # (B, 4, 4, 4)
+            return self.rms(self.ln(h.permute(0, 2, 3, 1)))
+
+    model = _build(Net)
+    expected = {
+        "conv.weight": CONV_BK, "conv.bias": DIRECT,
+        "gn.weight": DIRECT, "gn.bias": DIRECT,
+        "ln.weight": DIRECT, "ln.bias": DIRECT, "rms.weight": DIRECT,
+    }
+    loss = lambda m, x: (m(x) * torch.linspace(-1, 2, 4, dtype=x.dtype)).tanh().sum()  # noqa: E731
+    _compare(model, loss, (_randn(6, 2, 6, 6),), c=0.5, expected=expected)
+
+
+def test_frozen_weights_are_not_reported():
+    model = _build(lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)))
+    model[0].weight.requires_grad_(False)
+    model[2].bias.requires_grad_(False)
+    _compare(model, _sq_sum, (_randn(6, 5),), c=0.5, expected={"0.bias": DIRECT, "2.weight": LINEAR})
+
+
+def test_explain_reports_the_rules_that_matched():
+    model = _build(lambda: Twice(4))
+    ghost, _ = _steps(model, _sq_sum, c=0.5)
+    ghost(_randn(3, 4))
+    text = ghost.explain(file=io.StringIO())
+    # One parameter with two linear terms.
+    assert "pass ghost_clipping: linear=2" in text
+    assert "lin.weight" in text and LINEAR in text
+
+
+# ----------------------------------------------------------------------------- non-finite, padding
+class SeqNet(nn.Module):
+    """Token embedding plus float features -> Linear over positions -> head; no saturating
+    non-linearity, so an inf feature makes the example's gradient non-finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(10, 8)
+        self.lin = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(self.tok(ids) + x).mean(1))
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def _seq_case():
+    model = _build(SeqNet)
+    ids = torch.randint(0, 10, (6, 2), generator=_gen(5))
+    x = _randn(6, 2, 8, seed=6)
+    x[2, 1, 3] = math.inf
+    expected = {"tok.weight": EMB, "lin.weight": LINEAR, "lin.bias": DIRECT, "head.weight": LINEAR, "head.bias": DIRECT}
+    return model, (ids, x), expected
+
+
+def _conv_case():
+    model = _build(ConvNet)
+    x = _randn(6, 2, 5, 5, seed=6)
+    x[2, 0, 1, 1] = math.inf
+    expected = {"conv.weight": CONV_BK, "conv.bias": DIRECT, "head.weight": LINEAR, "head.bias": DIRECT}
+    return model, (x,), expected
+
+
+@pytest.mark.parametrize("case", [_seq_case, _conv_case], ids=["embedding+linear", "conv"])
+def test_nonfinite_example_contributes_zero(case):
+    model, args, expected = case()
+    loss = lambda m, *a: (m(*a) - 0.5).pow(2).sum()  # noqa: E731
+    ghost, plain = _steps(model, loss, c=0.5, p=4)
+    got = ghost(*args)
+    assert got.coverage == expected
+    assert got.clipped.num_nonfinite == 1
+    assert not math.isfinite(float(got.clipped.per_example_norms[2]))
+    for k, g in got.clipped.grads.items():
+        assert bool(torch.isfinite(g).all()), k
+    # Same as the rewritten step on the batch without example 2 ...
+    keep = [0, 1, 3, 4, 5]
+    without = ghost(*(a[keep] for a in args))
+    assert without.clipped.num_nonfinite == 0
+    for k, g in without.clipped.grads.items():
+        assert float((got.clipped.grads[k] - g).abs().max()) <= 1e-10 * max(1.0, float(g.abs().max())), k
+    torch.testing.assert_close(got.clipped.per_example_norms[keep], without.clipped.per_example_norms, rtol=1e-12, atol=0)
+    # ... and as the unrewritten step on the full batch.
+    _assert_same(got, plain(*args))
+
+
+def _normalized_loss(m, x, y):
+    # A zero (padded) row makes x / |x| NaN: padded rows must be masked, not multiplied by 0.
+    h = x / x.norm(dim=-1, keepdim=True)
+    return F.cross_entropy(m(h), y)
+
+
+@pytest.mark.parametrize("n", [3, 5, 9], ids=["n<P", "n=P+1", "n=2P+1"])
+def test_padded_rows_contribute_zero(n):
+    model = _build(lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)))
+    x = _randn(n, 5, seed=7)
+    y = torch.randint(0, 3, (n,), generator=_gen(8))
+    ghost, plain = _steps(model, _normalized_loss, c=0.2, p=4)
+    got = ghost(x, y)
+    assert got.coverage == {"0.weight": LINEAR, "0.bias": DIRECT, "2.weight": LINEAR, "2.bias": DIRECT}
+    assert got.clipped.num_examples == n and got.clipped.num_nonfinite == 0
+    assert got.clipped.per_example_norms.shape == (n,)
+    _assert_same(got, plain(x, y))
+    # Independent of the padding: one chunk of 16 rows, and the loop oracle.
+    unpadded = compile_dp(_normalized_loss, model=model, clipping_norm=0.2, physical_batch_size=16, backend=None)
+    _assert_same(got, unpadded(x, y))
+    want, want_norms = loop_reference(model, _normalized_loss, (x, y), 0.2)
+    for k, g in got.clipped.grads.items():
+        torch.testing.assert_close(g, want[k], rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.clipped.per_example_norms, want_norms, rtol=1e-12, atol=0)
+
+
+# ----------------------------------------------------------------------------- transformers
+def _gpt2(dtype=F64):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=500, n_positions=16,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    cfg._attn_implementation = "eager"  # SDPA has no vmap batching rule
+    model = _build(lambda: transformers.GPT2LMHeadModel(cfg), seed=0, dtype=dtype).eval()
+    assert model.config._attn_implementation == "eager"
+    return model
+
+
+def _hf_lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_gpt2_from_transformers_gets_ghost_coverage():
+    model = _gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 500, (5, 8), generator=_gen(9))
+    got, _ = _compare(model, _hf_lm_loss, (ids,), c=0.05, p=4, expected=_gpt2_expected())
+    assert got.clipped.num_examples == 5
+
+
+def _gpt2_expected() -> dict[str, str]:
+    block = {
+        "ln_1.weight": DIRECT, "ln_1.bias": DIRECT,
+        "attn.c_attn.weight": LINEAR, "attn.c_attn.bias": DIRECT,
+        "attn.c_proj.weight": LINEAR, "attn.c_proj.bias": DIRECT,
+        "ln_2.weight": DIRECT, "ln_2.bias": DIRECT,
+        "mlp.c_fc.weight": LINEAR, "mlp.c_fc.bias": DIRECT,
+        "mlp.c_proj.weight": LINEAR, "mlp.c_proj.bias": DIRECT,
+    }
+    out = {"transformer.wte.weight": TIED, "transformer.wpe.weight": MAT}
+    out |= {f"transformer.h.0.{k}": v for k, v in block.items()}
+    out |= {"transformer.ln_f.weight": DIRECT, "transformer.ln_f.bias": DIRECT}
+    return out
+
+
+# ----------------------------------------------------------------------------- inductor
+class TinyTransformer(nn.Module):
+    """Token + position embedding, one pre-LN block with math-form causal attention (explicit
+    matmul / softmax) and an MLP, final LayerNorm, LM head tied to the token embedding."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 2, seq: int = 8) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.lnf = nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        q, k, v = self.qkv(self.ln1(h)).split(h.shape[-1], dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(-1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, -1))
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return F.linear(self.lnf(h), self.tok.weight)
+
+
+@pytest.mark.inductor
+def test_inductor_rewritten_transformer_matches_unrewritten():
+    model = _build(TinyTransformer, dtype=torch.float32)
+    ids = torch.randint(0, 50, (5, 8), generator=_gen(10))
+    ghost, plain = _steps(model, _lm_loss, c=0.1, p=4, backend="inductor")
+    got, want = ghost(ids), plain(ids)
+    assert ghost.num_backend_compiles == 1
+    assert got.coverage["tok.weight"] == TIED and got.coverage["pos.weight"] == MAT
+    assert {got.coverage[k] for k in ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")} <= {LINEAR, LINEAR_BK}
+    assert got.coverage["qkv.weight"] == LINEAR
+    assert bool((want.clipped.per_example_norms > 0.1).any())
+    _assert_same(got, want, torch.float32)

@@ -1,0 +1,429 @@
+"""``compile_dp`` / ``DPStep``: the whole pipeline, padding, chunking, masks, randomness.
+
+Oracles: a Python loop over examples at batch size one (``loop_reference``) and the eager
+``clipped_grad`` (``reference_clipped``), both from ``tests/_models.py``. Most tests use
+``backend=None`` (the rewritten ATen graph run as is) or ``"aot_eager"``; the few tests marked
+``inductor`` run the real lowering and compile exactly one graph each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opake_compile as opake
+from _models import (
+    assert_trees_close,
+    conv1d_case,
+    conv2d_case,
+    embedding_case,
+    lora_case,
+    loop_reference,
+    mlp_case,
+    reference_clipped,
+    seeded,
+)
+from opake_compile import compile_dp
+from opake_compile._validate import NotPrivateWarning
+from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.exceptions import ConfigurationError, InputTypeError, UnsupportedOperationError
+from opake_compile.sampling import PoissonSampler
+
+
+def _step(case, c=1.0, p=4, backend=None, **kw):
+    return compile_dp(case.loss_fn, model=case.model, clipping_norm=c, physical_batch_size=p, backend=backend, **kw)
+
+
+# ----------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+@pytest.mark.parametrize(
+    "factory", [mlp_case, conv2d_case, conv1d_case, embedding_case], ids=["mlp", "conv2d", "conv1d", "embedding"]
+)
+def test_matches_loop_oracle(factory, backend):
+    case = factory(seed=3, dtype=torch.float64)
+    args = case.make_batch(6, 1)
+    step = _step(case, c=0.3, p=4, backend=backend)
+    out = step(*args)
+    want, want_norms = loop_reference(case.model, case.loss_fn, args, 0.3)
+    assert_trees_close(out.clipped.grads, want, torch.float64)
+    torch.testing.assert_close(out.clipped.per_example_norms, want_norms)
+    assert out.clipped.num_examples == 6 and out.clipped.num_nonfinite == 0
+    assert out.clipped.clipping_norm == 0.3 and out.clipped.normalize_by is None
+    per_loss = torch.stack([case.loss_fn(case.model, *(a[i : i + 1] for a in args)) for i in range(6)])
+    torch.testing.assert_close(out.loss, per_loss.mean().detach())
+    # A loop oracle check that could fail: clipping actually happened for some examples.
+    assert (want_norms > 0.3).any()
+
+
+def test_decorator_form_and_tensor_clipping_norm():
+    case = mlp_case(seed=0)
+
+    @compile_dp(model=case.model, clipping_norm=torch.tensor(0.5), physical_batch_size=4, backend=None)
+    def step(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    assert isinstance(step, opake.DPStep)
+    args = case.make_batch(3, 0)
+    out = step(*args)
+    assert isinstance(out, opake.DPStepResult) and isinstance(out.clipped, ClippedPytree)
+    assert out.clipped.clipping_norm == 0.5
+    assert_trees_close(out.clipped.grads, reference_clipped(case.model, case.loss_fn, args, 0.5).grads, torch.float32)
+
+
+def test_result_is_not_written_to_the_model():
+    case = mlp_case(seed=0)
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    out = _step(case)(*case.make_batch(5, 0))
+    assert all(p.grad is None for p in case.model.parameters())
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(not g.requires_grad for g in out.clipped.grads.values())
+    assert out.clipped.parameters["0.weight"] is case.model[0].weight
+
+
+def test_broadcast_argument_with_batch_argnums():
+    case = mlp_case(seed=1, dtype=torch.float64)
+    x, y = case.make_batch(5, 0)
+    w = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+
+    def loss(m, x, w, y):
+        return F.cross_entropy(m(x), y, weight=w)
+
+    step = compile_dp(loss, model=case.model, clipping_norm=0.2, batch_argnums=(0, 2), physical_batch_size=4, backend=None)
+    out = step(x, w, y)
+    want = reference_clipped(case.model, loss, (x, w, y), 0.2, batch_argnums=(0, 2))
+    assert_trees_close(out.clipped.grads, want.grads, torch.float64)
+    # A batch_argnums position beyond the arguments is a configuration error.
+    bad = compile_dp(loss, model=case.model, clipping_norm=0.2, batch_argnums=(0, 5), backend=None)
+    with pytest.raises(ConfigurationError):
+        bad(x, w, y)
+
+
+def test_pytree_batched_argument_and_none_argument():
+    case = mlp_case(seed=1, dtype=torch.float64)
+    x, y = case.make_batch(5, 0)
+    s = torch.rand(5, generator=seeded(3), dtype=torch.float64)
+
+    def loss(m, batch, extra, y):
+        assert extra is None
+        return F.cross_entropy(m(batch["x"] * batch["s"][:, None]), y)
+
+    step = compile_dp(loss, model=case.model, clipping_norm=0.3, batch_argnums=(0, 2), physical_batch_size=3, backend=None)
+    out = step({"x": x, "s": s}, None, y)
+    want = reference_clipped(case.model, lambda m, x, s, y: F.cross_entropy(m(x * s[:, None]), y), (x, s, y), 0.3)
+    assert_trees_close(out.clipped.grads, want.grads, torch.float64)
+    assert out.clipped.num_examples == 5 and step.num_traces == 1
+
+
+def test_infinite_clipping_norm_warns_and_sums_unclipped():
+    case = mlp_case(seed=2, dtype=torch.float64)
+    args = case.make_batch(5, 3)
+    with pytest.warns(NotPrivateWarning):
+        step = _step(case, c=math.inf)
+    out = step(*args)
+    want, _ = loop_reference(case.model, case.loss_fn, args, math.inf)
+    assert_trees_close(out.clipped.grads, want, torch.float64)
+
+
+@pytest.mark.parametrize("c", [0.0, -1.0, float("nan")])
+def test_invalid_clipping_norm(c):
+    with pytest.raises(ConfigurationError):
+        _step(mlp_case(), c=c)
+
+
+# ----------------------------------------------------------------------------- padding, masks
+def test_padded_rows_contribute_zero_even_when_they_would_be_nan():
+    """The padded rows are zeros; log(0) = -inf makes their gradients non-finite. They must be
+    masked away (not counted as non-finite real examples), and results equal the reference."""
+    case = mlp_case(seed=5, dtype=torch.float64, layernorm=False)
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(torch.log(x)), y)
+
+    x = torch.rand(3, 5, generator=seeded(1), dtype=torch.float64) + 0.1
+    y = torch.tensor([0, 2, 1])
+    step = compile_dp(loss, model=case.model, clipping_norm=0.7, physical_batch_size=8, backend=None)
+    out = step(x, y)
+    assert out.clipped.num_examples == 3 and out.clipped.num_nonfinite == 0
+    assert out.clipped.per_example_norms.shape == (3,)
+    assert torch.isfinite(out.loss)
+    want, norms = loop_reference(case.model, loss, (x, y), 0.7)
+    assert_trees_close(out.clipped.grads, want, torch.float64)
+    torch.testing.assert_close(out.clipped.per_example_norms, norms)
+
+
+def test_nonfinite_real_examples_are_counted_and_excluded():
+    case = mlp_case(seed=6, dtype=torch.float64, layernorm=False)
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(torch.log(x)), y)
+
+    x = torch.rand(6, 5, generator=seeded(2), dtype=torch.float64) + 0.1
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    x[1, 3] = -1.0  # NaN
+    x[4, 0] = 0.0  # -inf
+    step = compile_dp(loss, model=case.model, clipping_norm=0.5, physical_batch_size=4, backend=None)
+    out = step(x, y)
+    assert out.clipped.num_examples == 6
+    assert out.clipped.num_nonfinite == 2
+    norms = out.clipped.per_example_norms
+    assert not torch.isfinite(norms[1]) and not torch.isfinite(norms[4])
+    keep = torch.tensor([0, 2, 3, 5])
+    clean = step(x[keep], y[keep])
+    for k, g in out.clipped.grads.items():
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, clean.clipped.grads[k])
+
+
+def test_empty_batch_gives_zero_sum_without_tracing():
+    case = embedding_case(seed=0)
+    step = _step(case, backend="aot_eager")
+    out = step(*case.make_batch(0, 0))
+    assert step.num_traces == 0 and step.num_backend_compiles == 0
+    assert out.clipped.num_examples == 0 and out.clipped.num_nonfinite == 0
+    assert out.clipped.per_example_norms.shape == (0,)
+    assert math.isnan(float(out.loss))
+    assert set(out.clipped.grads) == {k for k, p in case.model.named_parameters() if p.requires_grad}
+    for k, g in out.clipped.grads.items():
+        assert g.shape == case.model.get_parameter(k).shape and not g.any()
+    # After a real batch, an empty one still does not retrace.
+    step(*case.make_batch(3, 0))
+    step(*case.make_batch(0, 0))
+    assert step.num_traces == 1 and step.num_backend_compiles == 1
+
+
+def test_chunked_logical_batch_equals_one_big_batch_and_never_recompiles():
+    case = conv2d_case(seed=7, dtype=torch.float64)
+    args = case.make_batch(11, 4)
+    small = _step(case, c=0.2, p=3, backend="aot_eager")
+    big = _step(case, c=0.2, p=11, backend=None)
+    a, b = small(*args), big(*args)
+    assert_trees_close(a.clipped.grads, b.clipped.grads, torch.float64)
+    torch.testing.assert_close(a.clipped.per_example_norms, b.clipped.per_example_norms)
+    torch.testing.assert_close(a.loss, b.loss)
+    assert a.clipped.num_examples == 11
+    for n in (1, 2, 3, 4, 7, 0, 9):
+        out = small(*case.make_batch(n, n))
+        assert out.clipped.num_examples == n
+    assert small.num_traces == 1 and small.num_backend_compiles == 1
+
+
+def test_default_physical_batch_size_is_set_from_first_batch():
+    case = mlp_case(seed=0)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend=None)
+    assert step.physical_batch_size is None
+    step(*case.make_batch(10, 0))
+    p = step.physical_batch_size
+    assert p % 8 == 0 and p >= 10 + 3 * math.sqrt(10)
+    step(*case.make_batch(p + 5, 1))  # chunked, same graph
+    assert step.num_traces == 1
+
+
+def test_retrace_on_new_partition_or_mode():
+    case = mlp_case(seed=0)
+    step = _step(case)
+    args = case.make_batch(3, 0)
+    assert set(step(*args).clipped.grads) == {k for k, _ in case.model.named_parameters()}
+    case.model[0].requires_grad_(False)
+    out = step(*args)
+    assert step.num_traces == 2
+    assert set(out.clipped.grads) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+    assert_trees_close(out.clipped.grads, reference_clipped(case.model, case.loss_fn, args, 1.0).grads, torch.float32)
+    case.model.eval()
+    step(*args)
+    assert step.num_traces == 3
+
+
+# ----------------------------------------------------------------------------- frozen / LoRA
+def test_frozen_parameters_get_no_gradient_entry():
+    case = conv2d_case(seed=1, dtype=torch.float64)
+    for name in ("0.weight", "3.bias", "6.weight"):
+        case.model.get_parameter(name).requires_grad_(False)
+    args = case.make_batch(5, 0)
+    out = _step(case, c=0.4)(*args)
+    assert set(out.clipped.grads) == {"0.bias", "3.weight", "4.weight", "4.bias", "6.bias"}
+    assert set(out.coverage) == set(out.clipped.grads)
+    want, norms = loop_reference(case.model, case.loss_fn, args, 0.4)
+    assert_trees_close(out.clipped.grads, want, torch.float64)
+    torch.testing.assert_close(out.clipped.per_example_norms, norms)
+
+
+def test_lora_adapters_only():
+    case = lora_case(seed=3, dtype=torch.float64)
+    args = case.make_batch(7, 2)
+    out = _step(case, c=0.25, p=4)(*args)
+    assert set(out.clipped.grads) == {"lora_a", "lora_b"}
+    want = reference_clipped(case.model, case.loss_fn, args, 0.25)
+    assert_trees_close(out.clipped.grads, want.grads, torch.float64)
+    torch.testing.assert_close(out.clipped.per_example_norms, want.per_example_norms)
+
+
+# ----------------------------------------------------------------------------- randomness
+def _dropout_case():
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 3))
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    x = torch.randn(1, 6, generator=seeded(0)).expand(4, 6).clone()  # four identical examples
+    y = torch.zeros(4, dtype=torch.long)
+    return model, loss, x, y
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_dropout_is_independent_per_example_and_reproducible(backend):
+    model, loss, x, y = _dropout_case()
+    mk = lambda k: compile_dp(loss, model=model, clipping_norm=1e6, physical_batch_size=4, backend=backend, key=opake.random.key(k))
+    state = torch.random.get_rng_state()
+    a = mk(0)(x, y)
+    assert torch.equal(state, torch.random.get_rng_state()), "the step changed the global RNG"
+    norms = a.clipped.per_example_norms
+    # Identical examples, independent dropout masks: (almost surely) all different gradients.
+    assert len(set(norms.tolist())) == 4, norms
+    b = mk(0)(x, y)
+    torch.testing.assert_close(b.clipped.per_example_norms, norms, rtol=0, atol=0)
+    for k in a.clipped.grads:
+        assert torch.equal(a.clipped.grads[k], b.clipped.grads[k])
+    assert not torch.equal(mk(1)(x, y).clipped.per_example_norms, norms)
+    # The step's key advances: a second call draws new masks.
+    step = mk(0)
+    first, second = step(x, y), step(x, y)
+    assert torch.equal(first.clipped.per_example_norms, norms)
+    assert not torch.equal(second.clipped.per_example_norms, norms)
+    # Without dropout (eval), the identical examples have identical gradients.
+    model.eval()
+    assert len(set(mk(0)(x, y).clipped.per_example_norms.tolist())) == 1
+
+
+def test_global_rng_state_unchanged_over_chunks():
+    model, loss, x, y = _dropout_case()
+    step = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=3, backend=None, key=opake.random.key(3))
+    before = torch.random.get_rng_state()
+    out = step(torch.cat([x, x]), torch.cat([y, y]))
+    assert torch.equal(before, torch.random.get_rng_state())
+    assert len(set(out.clipped.per_example_norms.tolist())) > 4  # chunks draw different masks
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_batchnorm_training_mode_refused_naming_module():
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
+    x, y = torch.randn(4, 3, generator=seeded(0)), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(UnsupportedOperationError, match=r"'1'.*BatchNorm1d"):
+        step(x, y)
+    model.eval()
+    assert step(x, y).clipped.num_examples == 4
+
+
+def test_data_dependent_control_flow_refused():
+    case = mlp_case(seed=0)
+
+    def loss(m, x, y):
+        if x.sum() > 0:
+            return F.cross_entropy(m(x), y)
+        return F.cross_entropy(m(-x), y)
+
+    with pytest.raises(UnsupportedOperationError, match="loss_fn"):
+        compile_dp(loss, model=case.model, clipping_norm=1.0, backend=None)(*case.make_batch(3, 0))
+
+
+def test_non_scalar_loss_refused():
+    case = mlp_case(seed=0)
+    loss = lambda m, x, y: F.cross_entropy(m(x), y, reduction="none")
+    with pytest.raises(UnsupportedOperationError, match="scalar"):
+        compile_dp(loss, model=case.model, clipping_norm=1.0, backend=None)(*case.make_batch(3, 0))
+
+
+def test_kwargs_refused():
+    case = mlp_case(seed=0)
+    x, y = case.make_batch(3, 0)
+    with pytest.raises(InputTypeError, match="keyword"):
+        _step(case)(x, y=y)
+
+
+def test_mismatched_batch_sizes_refused():
+    case = mlp_case(seed=0)
+    x, y = case.make_batch(4, 0)
+    step = _step(case)
+    with pytest.raises(ConfigurationError, match="batch size"):
+        step(x, y[:3])
+    with pytest.raises(ConfigurationError):
+        step(x, torch.tensor(1))  # 0-d batched argument
+    assert step.num_traces == 0
+
+
+def test_other_refusals():
+    case = mlp_case(seed=0)
+    x, y = case.make_batch(3, 0)
+    step = _step(case)
+    clipped = step(x, y).clipped
+    with pytest.raises(InputTypeError):
+        step(clipped, y)  # a DP output where tensors are expected
+    case.model.requires_grad_(False)
+    with pytest.raises(InputTypeError, match="trainable"):
+        step(x, y)
+    with pytest.raises(InputTypeError):
+        compile_dp(case.loss_fn, model="not a module", clipping_norm=1.0)
+    with pytest.raises(InputTypeError):
+        compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, batch_argnums=(-1,))
+
+
+# ----------------------------------------------------------------------------- inductor
+def _poisson_sizes(n_batches, dataset_size, q, seed):
+    sampler = PoissonSampler(dataset_size, q, key=opake.random.key(seed), steps=n_batches)
+    return [len(b) for b in sampler]
+
+
+@pytest.fixture(scope="module")
+def inductor_mlp():
+    case = mlp_case(seed=11, dtype=torch.float32)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.5, physical_batch_size=16, backend="inductor")
+    step(*case.make_batch(5, 0))
+    return case, step
+
+
+@pytest.fixture(scope="module")
+def inductor_conv():
+    case = conv2d_case(seed=12, dtype=torch.float32)
+    case.model[0].bias.requires_grad_(False)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.3, physical_batch_size=8, backend="inductor")
+    step(*case.make_batch(3, 0))
+    return case, step
+
+
+@pytest.mark.inductor
+def test_inductor_mlp_matches_reference_over_poisson_batches_without_recompiling(inductor_mlp):
+    case, step = inductor_mlp
+    sizes = _poisson_sizes(10, dataset_size=80, q=0.1, seed=0) + [0, 1, 16, 37]  # 37 > P: chunks
+    assert len(set(sizes)) >= 6
+    for i, n in enumerate(sizes):
+        args = case.make_batch(n, 100 + i)
+        out = step(*args)
+        want = reference_clipped(case.model, case.loss_fn, args, 0.5)
+        assert out.clipped.num_examples == n
+        assert_trees_close(out.clipped.grads, want.grads, torch.float32)
+        torch.testing.assert_close(out.clipped.per_example_norms, want.per_example_norms, rtol=1e-5, atol=1e-6)
+    assert step.num_backend_compiles == 1
+    assert step.num_traces == 1
+
+
+@pytest.mark.inductor
+def test_inductor_conv_matches_reference_without_recompiling(inductor_conv):
+    case, step = inductor_conv
+    for i, n in enumerate(_poisson_sizes(10, dataset_size=40, q=0.15, seed=1) + [0, 19]):
+        args = case.make_batch(n, 200 + i)
+        out = step(*args)
+        want = reference_clipped(case.model, case.loss_fn, args, 0.3)
+        assert "0.bias" not in out.clipped.grads
+        assert_trees_close(out.clipped.grads, want.grads, torch.float32)
+        torch.testing.assert_close(out.clipped.per_example_norms, want.per_example_norms, rtol=1e-5, atol=1e-6)
+    assert step.num_backend_compiles == 1
+    assert step.num_traces == 1

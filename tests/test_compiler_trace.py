@@ -1,0 +1,222 @@
+"""Stage 1 of the compiler: ``trace_per_example_grads`` (make_fx of vmap(grad) in fake mode).
+
+The oracle is a Python loop over examples at batch size one with ``torch.autograd.grad``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _models import embedding_case, lora_case, mlp_case, conv2d_case, seeded
+from opake_compile.compiler.trace import InputLayout, check_model_supported, trace_per_example_grads
+from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
+
+
+def _trace(case, args, p):
+    return trace_per_example_grads(
+        case.model, case.loss_fn, args, batched_positions=tuple(range(len(args))), physical_batch_size=p
+    )
+
+
+def _run_raw(traced, model, args):
+    """Run the raw stage-1 graph on real tensors: (losses (P,), G_1, ..., G_k)."""
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    state = [named[k].detach() for k in traced.layout.trainable]
+    for key in traced.layout.others:
+        kind, name = key.split(":", 1)
+        state.append((named if kind == "param" else buffers)[name].detach())
+    p = traced.layout.physical_batch_size
+    leaves = [a for a in args if isinstance(a, torch.Tensor)]
+    return traced.gm(*state, torch.tensor(1.0, dtype=torch.float64), torch.ones(p, dtype=torch.bool), *leaves)
+
+
+def _loop_grads(model, loss_fn, args):
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    losses, per = [], {k: [] for k in params}
+    for i in range(args[0].shape[0]):
+        loss = loss_fn(model, *(a[i : i + 1] for a in args))
+        losses.append(loss.detach())
+        for k, g in zip(params, torch.autograd.grad(loss, list(params.values()))):
+            per[k].append(g)
+    return torch.stack(losses), {k: torch.stack(v) for k, v in per.items()}
+
+
+@pytest.mark.parametrize("factory", [mlp_case, conv2d_case, embedding_case], ids=["mlp", "conv2d", "embedding"])
+def test_raw_graph_is_per_example_gradient(factory):
+    case = factory(seed=1, dtype=torch.float64)
+    args = case.make_batch(4, 7)
+    traced = _trace(case, args, 4)
+    losses, *grads = _run_raw(traced, case.model, args)
+    want_losses, want = _loop_grads(case.model, case.loss_fn, args)
+    torch.testing.assert_close(losses, want_losses, rtol=1e-10, atol=1e-12)
+    assert list(traced.layout.trainable) == list(want)
+    for name, g in zip(traced.layout.trainable, grads):
+        assert g.shape == (4, *traced.param_shapes[name])
+        torch.testing.assert_close(g, want[name], rtol=1e-10, atol=1e-12)
+
+
+def test_layout_and_output_metadata():
+    case = mlp_case(seed=0)
+    case.model[0].weight.requires_grad_(False)
+    args = case.make_batch(3, 0)
+    traced = _trace(case, args, 3)
+    layout = traced.layout
+    assert isinstance(layout, InputLayout)
+    trainable = tuple(k for k, p in case.model.named_parameters() if p.requires_grad)
+    assert layout.trainable == trainable
+    assert "0.weight" not in layout.trainable
+    assert layout.others == ("param:0.weight",)
+    assert layout.num_leading == len(trainable) + 1 + 2
+    assert layout.leaf_kinds == ("batched", "batched")
+    placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == layout.num_leading + 2
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
+    assert len(out) == 1 + len(trainable)  # losses + one gradient per trainable parameter only
+    assert tuple(out[0].meta["val"].shape) == (3,)
+    for name, node in zip(trainable, out[1:]):
+        assert tuple(node.meta["val"].shape) == (3, *case.model.get_parameter(name).shape)
+    assert not traced.has_randomness
+
+
+def test_tracing_does_not_touch_real_state():
+    case = mlp_case(seed=0)
+    before = {k: v.clone() for k, v in case.model.state_dict().items()}
+    rng = torch.random.get_rng_state()
+    _trace(case, case.make_batch(2, 0), 2)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    for k, v in case.model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert all(p.grad is None for p in case.model.parameters())
+
+
+def test_frozen_parameters_are_not_differentiated_lora():
+    case = lora_case(seed=2, dtype=torch.float64)
+    args = case.make_batch(3, 1)
+    traced = _trace(case, args, 3)
+    assert traced.layout.trainable == ("lora_a", "lora_b")
+    assert set(traced.layout.others) == {"param:base.weight", "param:base.bias"}
+    _, *grads = _run_raw(traced, case.model, args)
+    _, want = _loop_grads(case.model, case.loss_fn, args)
+    for name, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[name])
+
+
+def test_broadcast_and_constant_arguments():
+    case = mlp_case(seed=3, dtype=torch.float64, layernorm=False)
+    x, y = case.make_batch(3, 2)
+    weight = torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64)  # broadcast (class weights)
+
+    def loss(m, x, y, w, scale):
+        return scale * F.cross_entropy(m(x), y, weight=w)
+
+    traced = trace_per_example_grads(case.model, loss, (x, y, weight, 3.0), batched_positions=(0, 1), physical_batch_size=3)
+    assert traced.layout.leaf_kinds == ("batched", "batched", "broadcast", "const")
+    assert traced.layout.const_leaves == (3.0,)
+    losses, *grads = _run_raw(traced, case.model, (x, y, weight))
+    want_l, want = _loop_grads(case.model, lambda m, a, b: loss(m, a, b, weight, 3.0), (x, y))
+    torch.testing.assert_close(losses, want_l)
+    for name, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[name])
+
+
+def test_buffers_enter_as_inputs_batchnorm_eval():
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    model[1].running_mean.fill_(0.3)
+    model[1].running_var.fill_(2.0)
+    model.eval()
+    x = torch.randn(3, 3, generator=seeded(0), dtype=torch.float64)
+    y = torch.tensor([0, 1, 1])
+    loss = lambda m, a, b: F.cross_entropy(m(a), b)
+    traced = trace_per_example_grads(model, loss, (x, y), batched_positions=(0, 1), physical_batch_size=3)
+    assert "buffer:1.running_mean" in traced.layout.others
+    _, *grads = _run_raw(traced, model, (x, y))
+    _, want = _loop_grads(model, loss, (x, y))
+    for name, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[name])
+
+
+def test_dropout_sets_has_randomness_only_in_training_mode():
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    loss = lambda m, a, b: F.cross_entropy(m(a), b)
+    args = (torch.randn(2, 3, generator=seeded(0)), torch.tensor([0, 1]))
+    assert trace_per_example_grads(model, loss, args, batched_positions=(0, 1), physical_batch_size=2).has_randomness
+    model.eval()
+    assert not trace_per_example_grads(model, loss, args, batched_positions=(0, 1), physical_batch_size=2).has_randomness
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_batchnorm_in_training_mode_is_refused_naming_the_module():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 4)
+            self.bn_layer = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return self.bn_layer(self.fc(x))
+
+    model = Net()
+    with pytest.raises(UnsupportedOperationError, match="bn_layer"):
+        check_model_supported(model)
+    with pytest.raises(UnsupportedOperationError, match="BatchNorm1d"):
+        trace_per_example_grads(model, lambda m, x: m(x).sum(), (torch.zeros(2, 3),), batched_positions=(0,), physical_batch_size=2)
+    model.eval()
+    check_model_supported(model)
+
+
+def test_data_dependent_control_flow_is_refused():
+    case = mlp_case(seed=0)
+
+    def loss(m, x, y):
+        out = F.cross_entropy(m(x), y)
+        if x.sum() > 0:  # a Python branch on data
+            return out * 2
+        return out
+
+    with pytest.raises(UnsupportedOperationError, match="control flow|data|trace"):
+        _trace(_with_loss(case, loss), case.make_batch(2, 0), 2)
+
+
+def test_item_is_refused():
+    case = mlp_case(seed=0)
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(x), y) * float(x.abs().max().item())
+
+    with pytest.raises(UnsupportedOperationError):
+        _trace(_with_loss(case, loss), case.make_batch(2, 0), 2)
+
+
+@pytest.mark.parametrize(
+    "bad_loss",
+    [
+        lambda m, x, y: F.cross_entropy(m(x), y, reduction="none"),  # (1,) per example
+        lambda m, x, y: m(x).mean(dim=0),  # a vector
+    ],
+    ids=["reduction-none", "vector"],
+)
+def test_non_scalar_loss_is_refused(bad_loss):
+    case = mlp_case(seed=0)
+    with pytest.raises(UnsupportedOperationError, match="scalar"):
+        _trace(_with_loss(case, bad_loss), case.make_batch(2, 0), 2)
+
+
+def test_no_trainable_parameter_is_refused():
+    case = mlp_case(seed=0)
+    case.model.requires_grad_(False)
+    with pytest.raises(InputTypeError, match="trainable"):
+        _trace(case, case.make_batch(2, 0), 2)
+
+
+def _with_loss(case, loss):
+    return dataclasses.replace(case, loss_fn=loss)

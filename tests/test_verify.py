@@ -1,0 +1,141 @@
+"""``opake.verify``: the user-callable check of a compiled step against the eager reference.
+
+A check must be able to fail: besides correct steps, these tests build broken ones (a rewrite
+pass that drops the clipping, a result scaled after the fact) and require verify to flag them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _models import conv2d_case, embedding_case, lora_case, mlp_case, seeded
+from opake_compile import compile_dp, verify
+from opake_compile.compiler._graph_utils import nodes_with_role
+from opake_compile.compiler.passes import PassReport
+from opake_compile.exceptions import ConfigurationError, InputTypeError
+
+
+def _step(case, c, p=4, **kw):
+    return compile_dp(case.loss_fn, model=case.model, clipping_norm=c, physical_batch_size=p, backend=None, **kw)
+
+
+@pytest.mark.parametrize("factory", [mlp_case, conv2d_case, embedding_case, lora_case], ids=["mlp", "conv2d", "embedding", "lora"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_correct_step_verifies(factory, dtype):
+    case = factory(seed=1, dtype=dtype)
+    args = case.make_batch(7, 2)  # 7 > P = 4: chunked
+    report = verify(_step(case, 0.05), *args, max_removals=3)
+    assert report.ok, str(report)
+    assert report.matches_reference and report.sensitivity_ok
+    assert report.max_abs_diff <= report.tolerance
+    assert report.examples_removed == 3
+    # With C this small every example is clipped: removing one moves the sum by exactly C.
+    assert report.max_removal_change == pytest.approx(0.05, rel=1e-4)
+    assert set(report.coverage) == {k for k, p in case.model.named_parameters() if p.requires_grad}
+    text = str(report)
+    assert "OK" in text and "MISMATCH" not in text and "VIOLATED" not in text
+
+
+def test_removals_bounded_by_batch_size():
+    case = mlp_case(seed=0)
+    report = verify(_step(case, 10.0), *case.make_batch(2, 0))
+    assert report.ok and report.examples_removed == 2
+
+
+def _drop_clipping(gm):
+    """A broken 'rewrite': replace the clip factor by the 0/1 keep mask, so gradients are
+    summed unclipped. The kind of bug verify exists to catch."""
+    graph = gm.graph
+    factor = nodes_with_role(graph, "clip_factor")[""]
+    kept = nodes_with_role(graph, "kept")[""]
+    with graph.inserting_after(factor):
+        ones = graph.call_function(torch.ops.aten._to_copy.default, (kept,), {"dtype": factor.meta["val"].dtype})
+    ones.meta["val"] = factor.meta["val"]
+    factor.replace_all_uses_with(ones)
+    return PassReport(name="drop_clipping", modified=True, coverage={})
+
+
+def test_detects_a_rewrite_that_drops_clipping():
+    case = mlp_case(seed=3, dtype=torch.float64)
+    args = case.make_batch(6, 1)
+    step = _step(case, 0.05, rewrites=[_drop_clipping])
+    report = verify(step, *args)
+    assert not report.ok
+    assert not report.matches_reference
+    assert not report.sensitivity_ok
+    assert report.max_removal_change > 0.05 * 2
+    assert "MISMATCH" in str(report) and "VIOLATED" in str(report)
+
+
+def test_detects_a_scaled_result(monkeypatch):
+    case = conv2d_case(seed=4)
+    args = case.make_batch(5, 0)
+    step = _step(case, 0.1)
+    run = step._run
+
+    def scaled(*a, **kw):
+        out = run(*a, **kw)
+        grads = {k: 1.5 * g for k, g in out.clipped.grads.items()}
+        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
+
+    monkeypatch.setattr(step, "_run", scaled)
+    report = verify(step, *args)
+    assert not report.matches_reference
+    assert not report.sensitivity_ok  # 1.5 C > C
+    assert report.max_removal_change == pytest.approx(0.15, rel=1e-4)
+
+
+def test_detects_a_subtle_mismatch_within_sensitivity(monkeypatch):
+    """A small error that keeps the sensitivity bound is still caught by the comparison."""
+    case = mlp_case(seed=5, dtype=torch.float64)
+    step = _step(case, 100.0)
+    run = step._run
+
+    def nudged(*a, **kw):
+        out = run(*a, **kw)
+        grads = dict(out.clipped.grads)
+        grads["0.bias"] = grads["0.bias"] + 1e-6
+        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
+
+    monkeypatch.setattr(step, "_run", nudged)
+    report = verify(step, *case.make_batch(5, 0))
+    assert report.sensitivity_ok and not report.matches_reference and not report.ok
+
+
+def test_refuses_randomness_and_wrong_types():
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2))
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
+    x, y = torch.randn(4, 3, generator=seeded(0)), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(ConfigurationError, match="eval"):
+        verify(step, x, y)
+    model.eval()
+    assert verify(step, x, y).ok
+    with pytest.raises(InputTypeError):
+        verify(lambda *a: None, x, y)
+
+
+def test_checks_randomness_of_the_graph_this_call_uses():
+    """verify must look at the graph the step ran for *these* arguments and model mode, not at
+    whichever graph was built last."""
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.3), nn.Linear(4, 2))
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0,
+                      physical_batch_size=4, backend=None)
+    x, y = torch.randn(4, 3, generator=seeded(0)), torch.tensor([0, 1, 1, 0])
+    model.eval()
+    step(x, y)  # graph without randomness
+    model.train()
+    step(x, y)  # graph with dropout, built last
+    model.eval()
+    assert verify(step, x, y).ok  # runs the eval graph: comparable
+    model.train()
+    with pytest.raises(ConfigurationError):
+        verify(step, x, y)
