@@ -427,3 +427,12 @@ def test_inductor_conv_matches_reference_without_recompiling(inductor_conv):
         torch.testing.assert_close(out.clipped.per_example_norms, want.per_example_norms, rtol=1e-5, atol=1e-6)
     assert step.num_backend_compiles == 1
     assert step.num_traces == 1
+
+
+def test_clipping_norm_is_read_only():
+    """The graph's C and the C reported to the optimizer can never disagree."""
+    model = torch.nn.Linear(3, 2)
+    step = compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend=None)
+    with pytest.raises(AttributeError):
+        step.clipping_norm = 0.5
+    assert step.clipping_norm == 1.0

@@ -88,7 +88,7 @@ class DPStep:
             raise InputTypeError(f"Expected loss_fn to be callable, got {type(loss_fn).__name__}.")
         self.loss_fn = loss_fn
         self.model = model
-        self.clipping_norm = check_clipping_norm(clipping_norm)
+        self._clipping_norm = check_clipping_norm(clipping_norm)
         if batch_argnums is not None:
             batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in batch_argnums):
@@ -101,10 +101,17 @@ class DPStep:
         self._key = _random.random_key() if key is None else key
         self._rewrites = list(rewrites) if rewrites is not None else _default_rewrites()
         self._cache: dict[Any, _Compiled] = {}
+        self._constants: dict[Any, torch.Tensor] = {}
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
 
     # ------------------------------------------------------------------ public
+    @property
+    def clipping_norm(self) -> float:
+        """C, fixed for the life of the step (read-only: the graph and the reported C must
+        never disagree, or noise would be calibrated to the wrong sensitivity)."""
+        return self._clipping_norm
+
     @property
     def num_backend_compiles(self) -> int:
         """How many graphs the backend compiled for this step (recompiles included)."""
@@ -240,14 +247,13 @@ class DPStep:
             kind, name = key.split(":", 1)
             state.append((params if kind == "param" else buffers)[name].detach())
         device = state[0].device
-        clip = torch.tensor(self.clipping_norm, dtype=torch.float64, device=device)
+        clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
         sums: list[torch.Tensor] | None = None
         norms, losses, kept_all = [], [], []
         for start in range(0, n, p):
             m = min(p, n - start)
             chunk = _pad_args(args, batched, start, m, p)
-            mask = torch.zeros(p, dtype=torch.bool, device=device)
-            mask[:m] = True
+            mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
             with torch.no_grad(), self._rng_scope(compiled, device):
                 out = compiled.fn(*state, clip, mask, *leaves)
@@ -267,6 +273,13 @@ class DPStep:
         )
         loss = torch.cat(losses).mean()
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(compiled.coverage))
+
+    def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Small input tensors (C, masks) built once per device and size, never written to."""
+        t = self._constants.get(key)
+        if t is None:
+            t = self._constants[key] = make()
+        return t
 
     def _rng_scope(self, compiled: _Compiled, device: torch.device) -> contextlib.AbstractContextManager:
         """Random ops in the loss (dropout) draw from a seed derived from the step's key, in a
