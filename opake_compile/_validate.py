@@ -8,8 +8,10 @@ import numbers
 import warnings
 from typing import Any
 
+import optree
 import torch
 
+from opake_compile._markers import reject_dp_output
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "check_probability",
     "check_positive_int",
     "check_nonnegative_int",
+    "check_batch_size",
 ]
 
 
@@ -105,3 +108,32 @@ def check_nonnegative_int(value: Any, *, name: str) -> int:
     if value < 0:
         raise ConfigurationError(f"Expected {name}={value!r} >= 0.")
     return int(value)
+
+
+def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
+    """The common leading dimension B of every tensor leaf of the batched arguments.
+
+    Raises:
+        ConfigurationError: a position out of range, a 0-d tensor (no batch dimension), no
+            batched argument, or batched arguments that disagree on B (the message lists them).
+        InputTypeError: a batched argument holds no tensor, or is a DP output wrapper.
+    """
+    sizes: dict[int, set[int]] = {}
+    for i in batch_argnums:
+        if i >= len(args):
+            raise ConfigurationError(f"batch_argnums names argument {i}, but only {len(args)} were passed.")
+        reject_dp_output(args[i], where=f"argument {i}")
+        leaves = [leaf for leaf in optree.tree_leaves(args[i], none_is_leaf=True) if isinstance(leaf, torch.Tensor)]
+        if not leaves:
+            raise InputTypeError(f"Batched argument {i} holds no tensor (leave it out of batch_argnums).")
+        for leaf in leaves:
+            reject_dp_output(leaf, where=f"argument {i}")
+            if leaf.dim() == 0:
+                raise ConfigurationError(f"Batched argument {i} holds a 0-d tensor: it has no batch dimension.")
+            sizes.setdefault(int(leaf.shape[0]), set()).add(i)
+    if not sizes:
+        raise ConfigurationError("At least one argument must be batched (batch_argnums).")
+    if len(sizes) > 1:
+        detail = ", ".join(f"size {s} in argument(s) {sorted(v)}" for s, v in sorted(sizes.items()))
+        raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
+    return next(iter(sizes))

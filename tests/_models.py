@@ -271,3 +271,35 @@ def assert_trees_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 def tree_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Global L2 distance between two gradient dicts (float64)."""
     return math.sqrt(sum(float((a[k].double() - b[k].double()).square().sum()) for k in a))
+
+
+class MathTransformer(nn.Module):
+    """Token + position embedding, one pre-LN block with math-form causal attention (explicit
+    matmul / softmax) and an MLP, final LayerNorm, LM head (optionally tied)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16, heads: int = 2, seq: int = 8, tied: bool = True, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, mlp_ratio * d)
+        self.fc2 = nn.Linear(mlp_ratio * d, d)
+        self.lnf = nn.LayerNorm(d)
+        self.head = None if tied else nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        b, t = ids.shape
+        h = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        q, k, v = self.qkv(self.ln1(h)).split(h.shape[-1], dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        att = att.masked_fill(~causal, float("-inf")).softmax(-1)
+        h = h + self.proj((att @ v).transpose(1, 2).reshape(b, t, -1))
+        h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        h = self.lnf(h)
+        return F.linear(h, self.tok.weight) if self.head is None else self.head(h)

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from opake_compile import random as _random
 from opake_compile._markers import reject_dp_output
-from opake_compile._validate import check_clipping_norm, check_positive_int
+from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
 from opake_compile.compiler.trace import TracedGraph, trace_per_example_grads
@@ -126,7 +126,7 @@ class DPStep:
         for i, a in enumerate(args):
             reject_dp_output(a, where=f"argument {i}")
         batched = self._batched_positions(len(args))
-        n = self._batch_size(args, batched)
+        n = check_batch_size(args, batched)
         params = dict(self.model.named_parameters())
         trainable = tuple(k for k, p in params.items() if p.requires_grad)
         if not trainable:
@@ -172,24 +172,6 @@ class DPStep:
             raise ConfigurationError(f"batch_argnums names argument(s) {bad}, but the step got {nargs} argument(s).")
         return self.batch_argnums
 
-    @staticmethod
-    def _batch_size(args: tuple, batched: tuple[int, ...]) -> int:
-        sizes: dict[int, set[int]] = {}
-        for i in batched:
-            leaves = [l for l in optree.tree_leaves(args[i]) if isinstance(l, torch.Tensor)]
-            if not leaves:
-                raise InputTypeError(f"Batched argument {i} holds no tensor (set batch_argnums to exclude it).")
-            for leaf in leaves:
-                if leaf.dim() == 0:
-                    raise ConfigurationError(f"Batched argument {i} holds a 0-d tensor: it has no batch dimension.")
-                sizes.setdefault(int(leaf.shape[0]), set()).add(i)
-        if not sizes:
-            raise ConfigurationError("The step needs at least one batched argument.")
-        if len(sizes) > 1:
-            detail = ", ".join(f"size {s} in argument(s) {sorted(v)}" for s, v in sorted(sizes.items()))
-            raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
-        return next(iter(sizes))
-
     def _signature(self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int) -> Any:
         paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
         parts = []
@@ -212,7 +194,7 @@ class DPStep:
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
-        example = _pad_args(args, batched, 0, min(p, self._batch_size(args, batched)), p)
+        example = _pad_args(args, batched, 0, min(p, check_batch_size(args, batched)), p)
         traced = trace_per_example_grads(
             self.model, self.loss_fn, example, batched_positions=batched, physical_batch_size=p
         )

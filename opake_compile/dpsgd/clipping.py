@@ -32,7 +32,7 @@ import torch
 
 from opake_compile import pytree as _pt
 from opake_compile._markers import reject_dp_output
-from opake_compile._validate import NotPrivateWarning, check_clipping_norm
+from opake_compile._validate import NotPrivateWarning, check_batch_size, check_clipping_norm
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -168,27 +168,6 @@ def _normalise_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]
     return out
 
 
-def _batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
-    sizes: dict[int, list[int]] = {}
-    for i in batch_argnums:
-        if i >= len(args):
-            raise ConfigurationError(f"batch_argnums names argument {i}, but only {len(args)} were passed.")
-        reject_dp_output(args[i], where=f"argument {i}")
-        leaves = _pt.tree_leaves(args[i])
-        if not leaves:
-            raise InputTypeError(f"Batched argument {i} holds no tensor.")
-        for leaf in leaves:
-            if leaf.dim() == 0:
-                raise ConfigurationError(f"Batched argument {i} has a 0-d tensor: it has no batch dimension.")
-            sizes.setdefault(leaf.shape[0], []).append(i)
-    if not sizes:
-        raise ConfigurationError("clipped_grad needs at least one batched argument (batch_argnums).")
-    if len(sizes) > 1:
-        detail = ", ".join(f"size {s} in argument(s) {sorted(set(v))}" for s, v in sorted(sizes.items()))
-        raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
-    return next(iter(sizes))
-
-
 def _check_normalize_by(normalize_by: Any) -> float | None:
     if normalize_by is None:
         return None
@@ -285,7 +264,7 @@ def clipped_fun(
 
     def fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
         state = ClipState(c) if state is None else state
-        b = _batch_size(args, batch)
+        b = check_batch_size(args, batch)
         if b == 0:
             raise ConfigurationError(
                 "clipped_fun cannot infer its output shapes from an empty batch; skip the call "
@@ -318,7 +297,7 @@ def _grad_and_clip(
         if i >= len(args):
             raise ConfigurationError(f"argnums names argument {i}, but only {len(args)} were passed.")
         reject_dp_output(args[i], where=f"argument {i}")
-    b = _batch_size(args, batch)
+    b = check_batch_size(args, batch)
     wrt = args[arg_tuple[0]] if isinstance(argnums, int) else tuple(args[i] for i in arg_tuple)
     if b == 0:
         zero = _zeros_like_tree(wrt)
