@@ -503,3 +503,20 @@ def test_inductor_rewritten_transformer_matches_unrewritten():
     assert got.coverage["qkv.weight"] == LINEAR
     assert bool((want.clipped.per_example_norms > 0.1).any())
     _assert_same(got, want, torch.float32)
+
+
+def test_rule_selection_restricts_the_rewrite_families():
+    from opake_compile.compiler.passes.rewrites import GhostClipping
+    from opake_compile.exceptions import ConfigurationError
+
+    model = _build(lambda: TokenModel())
+    only_linear = compile_dp(
+        _sq_sum, model=model, clipping_norm=0.5, physical_batch_size=4, backend=None,
+        rewrites=[GhostClipping(rules=("linear",))],
+    )
+    plain = compile_dp(_sq_sum, model=model, clipping_norm=0.5, physical_batch_size=4, backend=None, rewrites=[])
+    got, want = only_linear(IDS), plain(IDS)
+    assert got.coverage["tok.weight"] == MAT and got.coverage["head.weight"] == LINEAR_BK
+    _assert_same(got, want)
+    with pytest.raises(ConfigurationError, match="Unknown rewrite rule"):
+        GhostClipping(rules=("linear", "attention"))
