@@ -119,6 +119,21 @@ def assert_norms_close(jax_norms, torch_norms, magnitude, n_params):
 # --- Linear model ------------------------------------------------------------------------------
 
 
+def assert_linear_matches(out, t_grads, t_norms, problem) -> None:
+    """JAX's clipped mean gradient and norms of the linear model equal torch's, within a
+    tolerance scaled by the size of each example's gradient terms."""
+    w, b, x, y, c = (problem[k] for k in ("w", "b", "x", "y", "c"))
+    # g_n = r_n (x_n, 1); the terms of r_n are |x_n|·|w|, |b|, |y_n|.
+    x64 = x.astype(np.float64)
+    r_terms = np.abs(x64) @ np.abs(w.astype(np.float64)) + abs(float(b)) + np.abs(y)
+    magnitude = r_terms * (1.0 + np.abs(x64).max(axis=1))
+    n_params = w.size + 1
+    assert_norms_close(out["norms"], t_norms, magnitude, n_params)
+    atol = clipped_mean_tolerance(magnitude, t_norms.astype(np.float64), c, n_params)
+    assert_close(out["grads"]["w"], t_grads["w"], atol, "w")
+    assert_close(out["grads"]["b"], t_grads["b"], atol, "b")
+
+
 @st.composite
 def linear_problems(draw):
     n = draw(st.integers(1, 6))
@@ -139,15 +154,7 @@ def test_linear_jax_matches_torch_clipped_grad(problem):
     out = jax.jit(opj.clipped_mean_grad_linear)({"w": w, "b": b}, x, y, c)
     t_grads, t_norms = torch_clipped_mean(torch_linear_loss, {"w": w, "b": b}, x, y, c)
 
-    # g_n = r_n (x_n, 1); the terms of r_n are |x_n|·|w|, |b|, |y_n|.
-    x64 = x.astype(np.float64)
-    r_terms = np.abs(x64) @ np.abs(w.astype(np.float64)) + abs(float(b)) + np.abs(y)
-    magnitude = r_terms * (1.0 + np.abs(x64).max(axis=1))
-    n_params = w.size + 1
-    assert_norms_close(out["norms"], t_norms, magnitude, n_params)
-    atol = clipped_mean_tolerance(magnitude, t_norms.astype(np.float64), c, n_params)
-    assert_close(out["grads"]["w"], t_grads["w"], atol, "w")
-    assert_close(out["grads"]["b"], t_grads["b"], atol, "b")
+    assert_linear_matches(out, t_grads, t_norms, problem)
     assert out["grads"]["w"].dtype == jnp.float32 and t_grads["w"].dtype == np.float32
 
 
@@ -288,12 +295,5 @@ def test_linear_jax_matches_the_compiled_step(problem):
         step = compile_dp(_compiled_linear_loss, model=model, clipping_norm=c, backend=None, physical_batch_size=4)
     res = step(torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32))
     n = x.shape[0]
-    t_norms = res.clipped.per_example_norms.numpy()
-    x64 = x.astype(np.float64)
-    r_terms = np.abs(x64) @ np.abs(w.astype(np.float64)) + abs(float(b)) + np.abs(y)
-    magnitude = r_terms * (1.0 + np.abs(x64).max(axis=1))
-    n_params = w.size + 1
-    assert_norms_close(out["norms"], t_norms, magnitude, n_params)
-    atol = clipped_mean_tolerance(magnitude, t_norms.astype(np.float64), c, n_params)
-    assert_close(out["grads"]["w"], (res.clipped.grads["w"] / n).numpy(), atol, "w")
-    assert_close(out["grads"]["b"], (res.clipped.grads["b"] / n).numpy(), atol, "b")
+    mean = {k: (g / n).numpy() for k, g in res.clipped.grads.items()}
+    assert_linear_matches(out, mean, res.clipped.per_example_norms.numpy(), problem)
