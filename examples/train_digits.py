@@ -201,6 +201,8 @@ def _read_csv(path: Path, label_column: str) -> tuple[np.ndarray, np.ndarray]:
     for lineno, r in enumerate(body, start=2):
         if len(r) != len(header):
             raise ConfigurationError(f"{path}, row {lineno}: {len(r)} fields, the header has {len(header)}.")
+        if not r[li].strip():
+            raise ConfigurationError(f"{path}, row {lineno}: the label is empty (every example needs a class label).")
         labels.append(r[li].strip())
         try:
             features.append([float(v) for j, v in enumerate(r) if j != li])
@@ -239,7 +241,7 @@ def _check_and_shape(x: np.ndarray, y: np.ndarray, *, where: str) -> tuple[np.nd
         rows = np.unique(np.nonzero(bad.reshape(len(x), -1))[0])
         raise ConfigurationError(
             f"{where}: {int(bad.sum())} feature value(s) are NaN or infinite, in {len(rows)} example(s) "
-            f"(first: row {int(rows[0])}). Clean or impute them first."
+            f"(first: example {int(rows[0])}, counting examples from 0). Clean or impute them first."
         )
     if np.issubdtype(y.dtype, np.floating):
         if not np.all(np.isfinite(y)):

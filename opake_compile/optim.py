@@ -225,8 +225,10 @@ class DPOptimizer:
             if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
                 clipped = accumulate(clipped)
             else:
+                hint = " (did you mean result.clipped?)" if hasattr(clipped, "clipped") else ""
                 raise InputTypeError(
-                    f"DPOptimizer.step expects the ClippedPytree of one logical batch, got {type(clipped).__name__}."
+                    f"DPOptimizer.step expects the ClippedPytree of one logical batch, got "
+                    f"{type(clipped).__name__}{hint}."
                 )
         if clipped.normalize_by is not None:
             raise ConfigurationError(

@@ -128,13 +128,13 @@ def test_run_pipeline_runs_later_passes_and_collects_reports():
 def test_step_coverage_and_explain_list_every_trainable_parameter():
     case = lora_case(seed=0)
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=None, rewrites=[])
-    buf = io.StringIO()
-    assert "not traced yet" in step.explain(file=buf)
+    assert "not traced yet" in step.describe()
     out = step(*case.make_batch(3, 0))
     assert out.coverage == {"lora_a": "materialized", "lora_b": "materialized"}
     assert step.coverage == out.coverage
     buf = io.StringIO()
-    text = step.explain(file=buf)
+    assert step.explain(file=buf) is None
+    text = step.describe()
     assert buf.getvalue().strip() == text.strip()
     lines = text.splitlines()
     for name in ("lora_a", "lora_b"):
@@ -150,7 +150,7 @@ def test_explain_with_default_rewrites_lists_every_trainable_parameter():
     out = step(*case.make_batch(3, 0))
     trainable = [k for k, p in case.model.named_parameters() if p.requires_grad]
     assert set(out.coverage) == set(trainable)
-    text = step.explain(file=io.StringIO())
+    text = step.describe()
     for name in trainable:
         assert any(
             line.split()[:1] == [name] and line.rstrip().endswith(out.coverage[name]) for line in text.splitlines()

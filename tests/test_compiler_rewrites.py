@@ -11,7 +11,6 @@ compared gradient is asserted non-zero, so a wrong factor cannot pass by acciden
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
@@ -354,7 +353,7 @@ def test_explain_reports_the_rules_that_matched():
     model = _build(lambda: Twice(4))
     ghost, _ = _steps(model, _sq_sum, c=0.5)
     ghost(_randn(3, 4))
-    text = ghost.explain(file=io.StringIO())
+    text = ghost.describe()
     # One parameter with two linear terms.
     assert "pass ghost_clipping: linear=2" in text
     assert "lin.weight" in text and LINEAR in text

@@ -315,12 +315,22 @@ def test_batchnorm_training_mode_refused_naming_module():
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(0)
         model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    with pytest.raises(UnsupportedOperationError, match=r"'1'.*BatchNorm1d"):
+        compile_dp(loss, model=model, clipping_norm=1.0, backend=None)  # refused up front
+    model.eval()
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
     x, y = torch.randn(4, 3, generator=seeded(0)), torch.tensor([0, 1, 0, 1])
+    assert step(x, y).clipped.num_examples == 4
+    model.train()  # and again at the call, since modes can change after compile_dp
     with pytest.raises(UnsupportedOperationError, match=r"'1'.*BatchNorm1d"):
         step(x, y)
-    model.eval()
-    assert step(x, y).clipped.num_examples == 4
+
+
+def test_batchnorm_without_running_stats_refused_in_eval_mode_too():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.Linear(4, 2)).eval()
+    with pytest.raises(UnsupportedOperationError, match=r"'1'.*track_running_stats=False"):
+        compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
 
 
 def test_data_dependent_control_flow_refused():

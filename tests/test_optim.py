@@ -433,3 +433,12 @@ def test_accumulate_refusals():
                           num_examples=0, parameters={"v": param})
     with pytest.raises(ConfigurationError):
         accumulate([a, other])
+
+
+def test_passing_the_step_result_instead_of_its_clipped_sum_gets_a_hint():
+    case = mlp_case(seed=0)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=None)
+    opt = _dp(torch.optim.SGD(case.model.parameters(), lr=0.1))
+    with pytest.raises(InputTypeError, match=r"did you mean result\.clipped"):
+        opt.step(step(*case.make_batch(3, 0)))
+    assert opt.steps == 0

@@ -208,6 +208,7 @@ _Y = np.arange(20) % 2
         (lambda t: _csv(t, "text.csv", "a,label\n1,0\nx,1\n"), InputTypeError, "not a number"),
         (lambda t: _csv(t, "nanfeat.csv", "a,label\n" + "".join(f"{'nan' if i == 3 else i},{i % 2}\n" for i in range(10))), ConfigurationError, "NaN"),
         (lambda t: _csv(t, "ragged.csv", "a,b,label\n1,2,0\n3,1\n"), ConfigurationError, "fields"),
+        (lambda t: _csv(t, "nolab.csv", "a,label\n" + "".join(f"{i},{'' if i in (2, 5) else i % 2}\n" for i in range(10))), ConfigurationError, "row 4: the label is empty"),
         (lambda t: _csv(t, "one.csv", "a,label\n" + "".join(f"{i},7\n" for i in range(10))), ConfigurationError, "single class"),
         (lambda t: _csv(t, "empty.csv", ""), ConfigurationError, "empty"),
         (lambda t: _csv(t, "data.txt", "a,label\n1,0\n"), ConfigurationError, "expected a .npz"),

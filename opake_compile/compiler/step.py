@@ -24,7 +24,7 @@ from opake_compile._markers import reject_dp_output
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
-from opake_compile.compiler.trace import TracedGraph, trace_per_example_grads
+from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -86,6 +86,7 @@ class DPStep:
             raise InputTypeError(f"Expected model to be a torch.nn.Module, got {type(model).__name__}.")
         if not callable(loss_fn):
             raise InputTypeError(f"Expected loss_fn to be callable, got {type(loss_fn).__name__}.")
+        check_model_supported(model)  # again at every trace: modes can change in between
         self.loss_fn = loss_fn
         self.model = model
         self._clipping_norm = check_clipping_norm(clipping_norm)
@@ -139,8 +140,8 @@ class DPStep:
         compiled = self._get_compiled(args, batched, trainable, p)
         return self._run(compiled, args, batched, n, params, trainable)
 
-    def explain(self, *, file: Any = None) -> str:
-        """Print (and return) which path each trainable parameter took, and what each pass did."""
+    def describe(self) -> str:
+        """Which path each trainable parameter took, and what each pass did, as text."""
         lines = [f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, backend={self.backend!r})"]
         if not self._cache:
             lines.append("  not traced yet: call the step once.")
@@ -152,9 +153,11 @@ class DPStep:
             for r in c.reports:
                 matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"
                 lines.append(f"    pass {r.name}: {matched}")
-        text = "\n".join(lines)
-        print(text, file=file)
-        return text
+        return "\n".join(lines)
+
+    def explain(self, *, file: Any = None) -> None:
+        """Print :meth:`describe` (to ``file``, default stdout)."""
+        print(self.describe(), file=file)
 
     @property
     def coverage(self) -> dict[str, str]:

@@ -78,16 +78,26 @@ def check_model_supported(model: nn.Module) -> None:
     """Refuse modules that mix examples or mutate state during the loss.
 
     Raises:
-        UnsupportedOperationError: a BatchNorm in training mode (its batch statistics mix
-            examples and its running-statistics update would leak every example into a buffer).
-            The message names the module.
+        UnsupportedOperationError: a BatchNorm that normalises with batch statistics: in
+            training mode, or built with ``track_running_stats=False`` (which uses batch
+            statistics in every mode). Batch statistics mix examples, and the running-statistics
+            update would leak every example into a buffer. The message names the module.
     """
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
+        if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
+            continue
+        where = f"Module {name or '<root>'!r} ({type(mod).__name__})"
+        if mod.training:
             raise UnsupportedOperationError(
-                f"Module {name or '<root>'!r} ({type(mod).__name__}) is in training mode: batch "
-                "normalisation mixes examples, so per-example gradients are not defined. Use "
-                "GroupNorm/LayerNorm, or call .eval() on it to use fixed running statistics."
+                f"{where} is in training mode: batch normalisation mixes examples, so "
+                "per-example gradients are not defined. Use GroupNorm/LayerNorm, or call .eval() "
+                "on it to use fixed running statistics."
+            )
+        if mod.running_mean is None or mod.running_var is None:
+            raise UnsupportedOperationError(
+                f"{where} has no running statistics (track_running_stats=False), so it normalises "
+                "with the statistics of the batch in every mode: that mixes examples. Use "
+                "GroupNorm/LayerNorm instead."
             )
 
 
