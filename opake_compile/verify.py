@@ -85,8 +85,9 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     result = step(*args)
     # The graph this call ran (its cache signature), not whichever graph was built last.
     batched = step._batched_positions(len(args))
-    trainable = tuple(k for k, p in step.model.named_parameters() if p.requires_grad)
-    sig = step._signature(args, batched, trainable, step.physical_batch_size) if step._cache else None
+    params = dict(step.model.named_parameters())
+    trainable = tuple(k for k, p in params.items() if p.requires_grad)
+    sig = step._signature(args, batched, trainable, step.physical_batch_size, params) if step._cache else None
     compiled = step._cache.get(sig) if sig is not None else None
     if compiled is not None and compiled.traced.has_randomness:
         raise ConfigurationError(

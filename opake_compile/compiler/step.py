@@ -137,7 +137,7 @@ class DPStep:
         if self.physical_batch_size is None:
             self.physical_batch_size = _default_physical_batch_size(n)
         p = self.physical_batch_size
-        compiled = self._get_compiled(args, batched, trainable, p)
+        compiled = self._get_compiled(args, batched, trainable, p, params)
         return self._run(compiled, args, batched, n, params, trainable)
 
     def describe(self) -> str:
@@ -175,7 +175,9 @@ class DPStep:
             raise ConfigurationError(f"batch_argnums names argument(s) {bad}, but the step got {nargs} argument(s).")
         return self.batch_argnums
 
-    def _signature(self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int) -> Any:
+    def _signature(
+        self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int, params: dict[str, torch.Tensor]
+    ) -> Any:
         paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
         parts = []
         for path, leaf in zip(paths, leaves):
@@ -188,12 +190,14 @@ class DPStep:
                     parts.append(("const", leaf))
                 except TypeError:
                     parts.append(("const", repr(leaf)))
-        model_state = tuple((n, q.dtype, tuple(q.shape)) for n, q in self.model.named_parameters())
+        model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
         modes = tuple(m.training for m in self.model.modules())
         return (treedef, tuple(parts), trainable, model_state, modes, p)
 
-    def _get_compiled(self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int) -> _Compiled:
-        sig = self._signature(args, batched, trainable, p)
+    def _get_compiled(
+        self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int, params: dict[str, torch.Tensor]
+    ) -> _Compiled:
+        sig = self._signature(args, batched, trainable, p, params)
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
@@ -247,16 +251,17 @@ class DPStep:
             norms.append(norm_c[:m])
             kept_all.append(kept_c[:m])
             sums = list(sum_c) if sums is None else [a + b for a, b in zip(sums, sum_c)]
-        kept = torch.cat(kept_all)
+        cat = (lambda parts: parts[0]) if len(losses) == 1 else torch.cat
+        kept = cat(kept_all)
         clipped = ClippedPytree(
             grads=dict(zip(layout.trainable, sums)),
             clipping_norm=self.clipping_norm,
-            per_example_norms=torch.cat(norms),
+            per_example_norms=cat(norms),
             num_examples=n,
             num_nonfinite=int(n - int(kept.sum())),
             parameters={k: params[k] for k in layout.trainable},
         )
-        loss = torch.cat(losses).mean()
+        loss = cat(losses).mean()
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(compiled.coverage))
 
     def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
