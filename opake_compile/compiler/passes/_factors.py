@@ -186,10 +186,13 @@ def emit_clipped_sum(
             pad = -1 if f.padding_idx is None else f.padding_idx
             term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
         else:
-            a = em(aten.where.self, keep3, _as_dtype(em, f.a, acc), zero)
-            a = em(aten.mul.Tensor, a, f3)
-            a_cat = em(aten.reshape.default, em(aten.permute.default, a, [1, 0, 2]), [r, p * k])
+            # Work on A^T (P, K, R): the left factor is usually a transposed view of a contiguous
+            # (P, K, R) tensor (output gradients), so the select and scaling write it back in
+            # that layout, the (P*K, R) reshape is free, and the product reads it transposed.
+            at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
+            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
+            a_rows = em(aten.reshape.default, at, [p * k, r])
             b_cat = em(aten.reshape.default, b, [p * k, c])
-            term = em(aten.mm.default, a_cat, b_cat)
+            term = em(aten.mm.default, em(aten.t.default, a_rows), b_cat)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
