@@ -131,7 +131,7 @@ class DPOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InputTypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.optimizer = optimizer
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self._noise_multiplier = check_noise_multiplier(noise_multiplier)
         if not getattr(sampler, "is_poisson", False):
             raise ConfigurationError(
                 f"DPOptimizer needs a Poisson sampler (opake_compile.sampling.PoissonSampler); got "
@@ -139,10 +139,9 @@ class DPOptimizer:
                 "and accounting them as such would overstate the privacy guarantee."
             )
         self.sampler = sampler
-        self.sample_rate = float(sampler.sample_rate)
-        self.dataset_size = int(sampler.dataset_size)
-        self.truncated_batch_size = sampler.truncated_batch_size
-        self.expected_batch_size = self.sample_rate * self.dataset_size
+        self._sample_rate = float(sampler.sample_rate)
+        self._dataset_size = int(sampler.dataset_size)
+        self._truncated_batch_size = sampler.truncated_batch_size
         if not self.expected_batch_size > 0:
             raise ConfigurationError(
                 f"Expected batch size q*N = {self.sample_rate}*{self.dataset_size} must be > 0."
@@ -160,7 +159,7 @@ class DPOptimizer:
                 f"Expected budget from accounting.epsilon_budget/delta_budget, got {type(budget).__name__}."
             )
         self.budget = budget
-        self.steps = 0
+        self._steps = 0
         with warnings.catch_warnings():
             # sigma = 0 was already reported above; do not repeat it on every accounting query.
             warnings.simplefilter("ignore", NotPrivateWarning)
@@ -170,6 +169,39 @@ class DPOptimizer:
                 dataset_size=self.dataset_size,
                 truncated_batch_size=self.truncated_batch_size,
             )
+
+    # ------------------------------------------------- the privacy configuration
+    # Read-only: the noise, the normalisation and the accounting must always use the same
+    # values (changing sigma after construction would under-report the privacy spent).
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma: the noise std on the clipped sum is sigma * C."""
+        return self._noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        """q, read from the sampler."""
+        return self._sample_rate
+
+    @property
+    def dataset_size(self) -> int:
+        """N, read from the sampler."""
+        return self._dataset_size
+
+    @property
+    def truncated_batch_size(self) -> int | None:
+        """The sampler's truncation (``None``: plain Poisson)."""
+        return self._truncated_batch_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q * N: the divisor of the noised sum (never the realised batch size)."""
+        return self._sample_rate * self._dataset_size
+
+    @property
+    def steps(self) -> int:
+        """Logical steps taken (empty batches included): what the accountant charges for."""
+        return self._steps
 
     # ---------------------------------------------------------------- accounting
     @property
@@ -271,7 +303,7 @@ class DPOptimizer:
             p.grad = new_grads[name]
         self.optimizer.step()
         self._key = next_key
-        self.steps += 1
+        self._steps += 1
 
     def _match_parameters(self, clipped: ClippedPytree) -> dict[str, torch.Tensor]:
         if clipped.parameters is None or not isinstance(clipped.grads, dict):
@@ -333,4 +365,4 @@ class DPOptimizer:
         key = _random.key_from_state(state["key"])
         self.optimizer.load_state_dict(state["optimizer"])
         self._key = key
-        self.steps = int(state["steps"])
+        self._steps = int(state["steps"])

@@ -442,3 +442,12 @@ def test_passing_the_step_result_instead_of_its_clipped_sum_gets_a_hint():
     with pytest.raises(InputTypeError, match=r"did you mean result\.clipped"):
         opt.step(step(*case.make_batch(3, 0)))
     assert opt.steps == 0
+
+
+def test_privacy_configuration_is_read_only():
+    """sigma, q and N feed both the noise and the accountant: they cannot drift apart."""
+    opt = _dp(torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1), sigma=1.0)
+    for name in ("noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size", "expected_batch_size", "steps"):
+        with pytest.raises(AttributeError):
+            setattr(opt, name, 0.5)
+    assert opt.noise_multiplier == 1.0
