@@ -157,3 +157,33 @@ def test_explain_with_default_rewrites_lists_every_trainable_parameter():
         ), (name, text)
     assert "4.weight" not in text
     assert "pass insert_clipping" in text
+
+
+def test_rewrite_refuses_a_gradient_touched_by_an_unaccounted_in_place_op():
+    """Fail closed: if something mutates the materialised per-example gradient in place (here
+    an injected ``mul_`` on the weight gradient's bmm), replacing it with ghost norms would drop
+    the mutation, so the parameter must stay materialised; the result still equals the graph
+    with the mutation."""
+    from opake_compile.compiler._graph_utils import Emitter
+    from opake_compile.compiler.passes.rewrites import ghost_clipping
+
+    case = mlp_case(seed=1)
+    n = p = 4
+    reports = {}
+    outs = {}
+    for rewrite in (False, True):
+        tr, args = _traced(case, n, p)
+        run_pipeline(tr.gm, [_clip(tr)])
+        bmms = [nd for nd in tr.gm.graph.nodes if nd.target is torch.ops.aten.bmm.default]
+        assert bmms, "expected the per-example weight gradients to be bmm outputs"
+        victim = bmms[0]
+        em = Emitter(tr.gm.graph, before=victim.next)
+        em(torch.ops.aten.mul_.Tensor, victim, 0.5)  # an in-place op no rule accounts for
+        tr.gm.recompile()
+        if rewrite:
+            reports = run_pipeline(tr.gm, [ghost_clipping])[0].coverage
+        outs[rewrite] = tr.gm(*_inputs(tr, case.model, 0.3, torch.ones(p, dtype=torch.bool), args))
+    touched = [name for name in tr.layout.trainable if name not in reports]
+    assert touched, f"the mutated gradient was rewritten anyway: {reports}"
+    for a, b in zip(outs[False], outs[True]):
+        torch.testing.assert_close(a, b)
