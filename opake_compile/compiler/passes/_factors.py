@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
 
 aten = torch.ops.aten
 
@@ -172,27 +173,24 @@ def emit_clipped_sum(
 ) -> fx.Node:
     """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``."""
     p = shape(factors[0].b)[0]
-    keep3 = em(aten.view.default, kept, [p, 1, 1])
-    f3 = em(aten.view.default, factor, [p, 1, 1])
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
-        b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
         if f.onehot:
+            keep3 = em(aten.view.default, kept, [p, 1, 1])
+            f3 = em(aten.view.default, factor, [p, 1, 1])
+            zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+            b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
             weighted = em(aten.mul.Tensor, b, f3)
             flat_ids = em(aten.reshape.default, f.a, [p * k])
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
             term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
         else:
-            # Work on A^T (P, K, R): the left factor is usually a transposed view of a contiguous
-            # (P, K, R) tensor (output gradients), so the select and scaling write it back in
-            # that layout, the (P*K, R) reshape is free, and the product reads it transposed.
-            at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
-            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
-            a_rows = em(aten.reshape.default, at, [p * k, r])
-            b_cat = em(aten.reshape.default, b, [p * k, c])
-            term = em(aten.mm.default, em(aten.t.default, a_rows), b_cat)
+            # A^T (P, K, R) is usually a view of a contiguous tensor (output gradients), so the
+            # operator reads both factors in (example, k)-major order without a copy; the
+            # selects and the scaling happen inside it, one layer at a time.
+            at = em(aten.permute.default, f.a, [0, 2, 1])
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total

@@ -32,7 +32,7 @@ from opake_compile.compiler.passes._base import PassReport
 
 aten = torch.ops.aten
 
-__all__ = ["insert_clipping", "accumulation_dtype", "emit_masked", "emit_weighted_sum"]
+__all__ = ["insert_clipping", "accumulation_dtype", "emit_weighted_sum"]
 
 
 def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
@@ -40,23 +40,19 @@ def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
-def emit_masked(em: Emitter, kept: fx.Node, x: fx.Node) -> fx.Node:
-    """``where(kept[i], x[i], 0)`` for x of shape (P, ...)."""
-    p = shape(x)
-    k = em(aten.view.default, kept, [p[0]] + [1] * (len(p) - 1))
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=val(x).dtype)
-    return em(aten.where.self, k, x, zero)
+def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -> fx.Node:
+    """``sum_i factor[i] * where(kept[i], g[i], 0)`` for g of shape (P, ...), in ``factor``'s dtype.
 
-
-def emit_weighted_sum(em: Emitter, factor: fx.Node, g: fx.Node, out_shape: list[int]) -> fx.Node:
-    """``sum_i factor[i] * g[i]`` as one matrix product, viewed to ``out_shape``."""
+    Written as one select-multiply-reduce so that the backend fuses it into a single reduction
+    over examples: no masked copy of ``g`` is ever stored (a matrix product would need one)."""
     p = shape(g)
-    flat = em(aten.reshape.default, g, [p[0], -1])
-    flat = em(aten._to_copy.default, flat, dtype=val(factor).dtype) if val(flat).dtype != val(factor).dtype else flat
-    row = em(aten.view.default, factor, [1, p[0]])
-    summed = em(aten.mm.default, row, flat)
-    out = em(aten.view.default, summed, out_shape)
-    return out
+    bshape = [p[0]] + [1] * (len(p) - 1)
+    acc = val(factor).dtype
+    x = em(aten._to_copy.default, g, dtype=acc) if val(g).dtype != acc else g
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    masked = em(aten.where.self, em(aten.view.default, kept, bshape), x, zero)
+    weighted = em(aten.mul.Tensor, masked, em(aten.view.default, factor, bshape))
+    return em(aten.sum.dim_IntList, weighted, [0])
 
 
 def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_input: int) -> PassReport:
@@ -93,8 +89,7 @@ def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_in
     factor = set_role(em(aten.where.self, kept, ratio, zero), "clip_factor", "")
     sums = []
     for name, g in zip(param_names, grads):
-        p = shape(g)
-        summed = emit_weighted_sum(em, factor, emit_masked(em, kept, g), list(p[1:]))
+        summed = emit_weighted_sum(em, kept, factor, g)
         if val(summed).dtype != val(g).dtype:
             summed = em(aten._to_copy.default, summed, dtype=val(g).dtype)
         sums.append(set_role(summed, "clipped_sum", name))

@@ -1,0 +1,67 @@
+"""Operators the rewrite passes emit that the backend must treat as one opaque call.
+
+``opake::bookkeeping_mm`` is the book-keeping clipped sum of one dense term,
+``sum_i f_i A_i @ B_i`` with the excluded examples selected away. Emitted as plain ATen ops,
+the selects and the scaling are pointwise consumers of the clip factor, and Inductor fuses
+all of them, for every layer, into the kernel that computes the factor: every layer's masked
+copies are then alive at once (measured: the MLP step's peak memory went from 1.5x to 1.9x
+the non-private step). As one operator per layer, the copies exist one layer at a time and
+are freed as soon as that layer's product is done.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM"]
+
+
+_LIB = torch.library.Library("opake", "DEF")
+_LIB.define("bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor) -> Tensor")
+
+
+def bookkeeping_mm(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``sum_i factor[i] * at[i]^T @ b[i]`` over the examples with ``kept[i]``.
+
+    Args:
+        at: ``(P, K, R)``, the left factor stored transposed (e.g. output gradients).
+        b: ``(P, K, C)``, the right factor (e.g. layer inputs).
+        kept: ``(P,)`` bool; excluded rows contribute exactly zero, even when they hold
+            NaN or inf (they are selected away, never multiplied by zero).
+        factor: ``(P,)`` clip factors; its dtype is the accumulation dtype of the result.
+
+    Returns:
+        ``(R, C)`` in ``factor.dtype``.
+    """
+    p, k, r = at.shape
+    c = b.shape[2]
+    acc = factor.dtype
+    f3 = factor.view(p, 1, 1)
+    # On CPU reading ``kept`` costs nothing; when every example is kept the selects are the
+    # identity and only the smaller factor is copied (scaled). On an accelerator this would
+    # be a host sync per layer, so there the selects always run.
+    if kept.device.type == "cpu" and bool(kept.all()):
+        if r <= c:
+            left, right = at.to(acc) * f3, b.to(acc)
+        else:
+            left, right = at.to(acc), b.to(acc) * f3
+    else:
+        keep = kept.view(p, 1, 1)
+        left = torch.where(keep, at, 0).to(acc).mul_(f3)
+        right = torch.where(keep, b, 0).to(acc)
+    return left.reshape(p * k, r).t() @ right.reshape(p * k, c)
+
+
+# A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost
+# about 50 us per call, a few per cent of a small model's step.
+_LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("opake::bookkeeping_mm")
+def _(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
+    return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
+
+
+#: The overload the passes put in graphs.
+BOOKKEEPING_MM = torch.ops.opake.bookkeeping_mm.default
