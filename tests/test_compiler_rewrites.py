@@ -318,6 +318,16 @@ def test_grouped_conv_stays_materialized():
     _compare(model, _tanh_sum, (_randn(6, 4, 6, 6),), c=0.5, expected={"weight": MAT, "bias": DIRECT})
 
 
+def test_describe_says_why_a_parameter_stayed_materialized():
+    model = _build(lambda: TokenModel(seq=4))
+    ghost, _ = _steps(model, _sq_sum, c=0.5)
+    ghost(IDS)
+    lines = {ln.split()[0]: ln for ln in ghost.describe().splitlines()[2:] if "." in ln.split()[0]}
+    # The shared position ids reach the gradient through a view no rule reads.
+    assert lines["pos.weight"].endswith("materialized (no rule matches the term computed by aten.permute.default)")
+    assert lines["tok.weight"].endswith(EMB)  # a matched parameter gets no note
+
+
 # ----------------------------------------------------------------------------- norms, vectors
 def test_groupnorm_and_layernorm_affine_are_direct():
     class Net(nn.Module):

@@ -148,8 +148,10 @@ class DPStep:
         for i, c in enumerate(self._cache.values()):
             lines.append(f"  graph {i}:")
             width = max(len(k) for k in c.coverage)
+            notes = {k: v for r in c.reports for k, v in r.notes.items()}
             for name, path in c.coverage.items():
-                lines.append(f"    {name:<{width}}  {path}")
+                why = f" ({notes[name]})" if name in notes and path == "materialized" else ""
+                lines.append(f"    {name:<{width}}  {path}{why}")
             for r in c.reports:
                 matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"
                 lines.append(f"    pass {r.name}: {matched}")

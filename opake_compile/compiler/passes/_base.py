@@ -21,12 +21,14 @@ class PassReport:
         matches: rule name -> number of matches.
         coverage: parameter name -> path label (e.g. ``"materialized"``, ``"ghost:linear"``)
             for the parameters this pass decided.
+        notes: parameter name -> why the pass left it alone (shown by ``DPStep.describe``).
     """
 
     name: str
     modified: bool
     matches: dict[str, int] = dataclasses.field(default_factory=dict)
     coverage: dict[str, str] = dataclasses.field(default_factory=dict)
+    notes: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class GraphPass(Protocol):

@@ -134,7 +134,7 @@ def _mutated(g: fx.Node, factors: list[Factor]) -> bool:
 def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
     factors, why = _match_rules(em, g, p, enabled)
     if factors is not None and _mutated(g, factors):
-        return None, "mutated in place"
+        return None, "an in-place op the rules do not account for touches its per-example gradient"
     return factors, why
 
 
@@ -147,7 +147,7 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
             return [f], "ok"
     top = _matrix_form(g)
     if top is None:
-        return None, "no matrix form"
+        return None, "its per-example gradient has no (P, R, C) matrix form"
     _, r, c = shape(top)
     factors = []
     for term, flipped in _terms(top, False):
@@ -156,9 +156,9 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
             if f is not None:
                 break
         else:
-            return None, f"unmatched {term.target}"
+            return None, f"no rule matches the term computed by {term.target}"
         if f.rows != r or f.cols != c:
-            return None, "shape mismatch"
+            return None, "a matched term has the wrong shape"
         factors.append(f)
     return factors, "ok"
 
@@ -205,6 +205,7 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str]) -> PassReport:
     out_node = next(n for n in graph.nodes if n.op == "output")
     matches: dict[str, int] = {}
     coverage: dict[str, str] = {}
+    notes: dict[str, str] = {}
     for name, sq in sq_nodes.items():
         g = _gradient_of(sq)
         p = shape(g)[0]
@@ -217,6 +218,8 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str]) -> PassReport:
                 # Biases and normalisation affine parameters: the per-example gradient is a
                 # (P, d) vector, as small as the activations it comes from. Nothing to gain.
                 coverage[name] = "direct (per-example vector)"
+            else:
+                notes[name] = why
             continue
         acc = val(sq).dtype
         rules = "+".join(sorted({f.rule for f in factors}))
@@ -248,7 +251,7 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str]) -> PassReport:
                 graph.erase_node(node)
         for f in factors:
             matches[f.rule] = matches.get(f.rule, 0) + 1
-    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage)
+    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
 
 
 def _gradient_of(sq: fx.Node) -> fx.Node:
