@@ -213,6 +213,30 @@ IDS = torch.tensor([[1, 1, 2, 3], [0, 0, 0, 0], [5, 5, 5, 1], [9, 0, 9, 2], [3, 
 HEAD = {"head.weight": LINEAR_BK, "head.bias": DIRECT}
 
 
+class SharedInput(nn.Module):
+    """Three projections of the same input (attention's q, k, v as separate layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.q(x) * self.k(x)).tanh().sum() + self.v(x).pow(2).sum()
+
+
+def test_layers_reading_the_same_input_share_its_gram_matrix():
+    model = _build(SharedInput)
+    x = _randn(4, 2, 8, seed=3)  # T = 2: the Gram form is the cheaper one here
+    weights = {f"{n}.weight": LINEAR for n in "qkv"}
+    got, _ = _compare(model, lambda m, x: m(x), (x,), c=0.5, expected=weights | {f"{n}.bias": DIRECT for n in "qkv"})
+    ghost, _ = _steps(model, lambda m, x: m(x), c=0.5)
+    ghost(x)
+    gm = list(ghost._cache.values())[-1].traced.gm
+    bmms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.bmm.default]
+    # One Gram matrix of the output gradients per layer, one of the shared input for all three.
+    assert len(bmms) == 4
+
+
 def test_embedding_batched_ids_with_repeats():
     model = _build(lambda: TokenModel())
     _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB} | HEAD)

@@ -129,21 +129,64 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
     return em(aten.bmm.default, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), _as_dtype(em, g.a, acc))
 
 
-def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Node:
-    """Per-example squared Frobenius norm of ``sum_j A^j B^j``, shape (P,), in ``acc``."""
+#: Ops whose result is a pure function of their (tensor) input and constant arguments: two
+#: chains of them over the same node compute the same tensor.
+_PURE_VIEWS = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+    aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default,
+    aten.slice.Tensor, aten.select.int, aten.clone.default, aten._to_copy.default,
+})
+
+
+def _freeze(x: object) -> object:
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    return x
+
+
+def value_key(node: fx.Node) -> object:
+    """A hashable key equal for nodes that compute the same tensor through pure view/copy
+    chains from the same source (each ``nn.Linear`` reading ``x`` gets its own chain of views
+    in the vmapped graph)."""
+    if node.op == "call_function" and node.target in _PURE_VIEWS and isinstance(node.args[0], fx.Node):
+        rest = tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))
+        if len(rest) == len(node.args) - 1:
+            return (node.target, value_key(node.args[0]), _freeze(rest), _freeze(dict(node.kwargs)))
+    return node
+
+
+def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: dict | None = None) -> fx.Node:
+    """Per-example squared Frobenius norm of ``sum_j A^j B^j``, shape (P,), in ``acc``.
+
+    ``grams``: a cache shared by the parameters of one graph. Layers that read the same input
+    (q/k/v or gate/up projections, LoRA adapters next to each other) have the same right
+    factor, so its Gram matrix ``B B^T`` is formed once. Nodes cached while rewriting one
+    parameter precede every later parameter's norm, so reusing them keeps the graph ordered.
+    """
+    grams = {} if grams is None else grams
+
+    def cached(key: tuple, make):  # noqa: ANN001, ANN202
+        if key not in grams:
+            grams[key] = make()
+        return grams[key]
+
     bs = [_b_of(em, f, acc) for f in factors]
     total = None
     for j, f in enumerate(factors):
         for k in range(j, len(factors)):
             g = factors[k]
+            b_key = (value_key(f.b), f.padding_idx if f.onehot else None, value_key(g.b), g.padding_idx if g.onehot else None, acc)
             if f.k == 1 and g.k == 1 and not f.onehot and not g.onehot:
                 # Rank one (Goodfellow 2015): <a_f, a_g> <b_f, b_g> with vectors.
                 pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, acc), _as_dtype(em, g.a, acc)), [1, 2])
-                pb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, bs[j], bs[k]), [1, 2])
+                pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, bs[j], bs[k]), [1, 2]))
                 term = em(aten.mul.Tensor, pa, pb)
             else:
                 ga = _gram_a(em, f, g, acc)
-                gb = em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2))
+                gb = cached(("gram",) + b_key, lambda: em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2)))
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)

@@ -206,6 +206,7 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str]) -> PassReport:
     matches: dict[str, int] = {}
     coverage: dict[str, str] = {}
     notes: dict[str, str] = {}
+    grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
     for name, sq in sq_nodes.items():
         g = _gradient_of(sq)
         p = shape(g)[0]
@@ -235,7 +236,7 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str]) -> PassReport:
             new_sq = emit_sq_norm_materialized(em, factors, acc)
             coverage[name] = f"bk:{rules} (norm materialized)"
         else:
-            new_sq = emit_sq_norm(em, factors, acc)
+            new_sq = emit_sq_norm(em, factors, acc, grams)
             coverage[name] = f"ghost:{rules}"
         sq.replace_all_uses_with(new_sq)
         old_sum = sum_nodes[name]
