@@ -446,3 +446,25 @@ def test_clipping_norm_is_read_only():
     with pytest.raises(AttributeError):
         step.clipping_norm = 0.5
     assert step.clipping_norm == 1.0
+
+
+def test_model_state_walk_matches_torch_on_tied_missing_and_shared_members():
+    from opake_compile.compiler.step import _model_state
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.norm = nn.BatchNorm1d(3)
+            self.head = nn.Linear(3, 5, bias=False)  # bias is None in _parameters
+            self.head.weight = self.emb.weight  # tied: listed once, under its first name
+            self.again = self.norm  # the same module twice
+            self.register_buffer("scale", torch.ones(1), persistent=False)
+
+    model = Tied()
+    model.norm.eval()
+    params, buffers, modes = _model_state(model)
+    assert list(params.items()) == list(model.named_parameters())
+    assert list(buffers.items()) == list(model.named_buffers())
+    assert modes == tuple(m.training for m in model.modules())
+    assert "head.weight" not in params and modes.count(False) == 1

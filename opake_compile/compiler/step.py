@@ -128,7 +128,7 @@ class DPStep:
             reject_dp_output(a, where=f"argument {i}")
         batched = self._batched_positions(len(args))
         n = check_batch_size(args, batched)
-        params = dict(self.model.named_parameters())
+        params, buffers, modes = _model_state(self.model)
         trainable = tuple(k for k, p in params.items() if p.requires_grad)
         if not trainable:
             raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
@@ -137,8 +137,8 @@ class DPStep:
         if self.physical_batch_size is None:
             self.physical_batch_size = _default_physical_batch_size(n)
         p = self.physical_batch_size
-        compiled = self._get_compiled(args, batched, trainable, p, params)
-        return self._run(compiled, args, batched, n, params, trainable)
+        compiled = self._get_compiled(args, batched, trainable, p, params, modes)
+        return self._run(compiled, args, batched, n, params, buffers, trainable)
 
     def describe(self) -> str:
         """Which path each trainable parameter took, and what each pass did, as text."""
@@ -178,7 +178,13 @@ class DPStep:
         return self.batch_argnums
 
     def _signature(
-        self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int, params: dict[str, torch.Tensor]
+        self,
+        args: tuple,
+        batched: tuple[int, ...],
+        trainable: tuple[str, ...],
+        p: int,
+        params: dict[str, torch.Tensor],
+        modes: tuple[bool, ...],
     ) -> Any:
         paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
         parts = []
@@ -193,13 +199,18 @@ class DPStep:
                 except TypeError:
                     parts.append(("const", repr(leaf)))
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
-        modes = tuple(m.training for m in self.model.modules())
         return (treedef, tuple(parts), trainable, model_state, modes, p)
 
     def _get_compiled(
-        self, args: tuple, batched: tuple[int, ...], trainable: tuple[str, ...], p: int, params: dict[str, torch.Tensor]
+        self,
+        args: tuple,
+        batched: tuple[int, ...],
+        trainable: tuple[str, ...],
+        p: int,
+        params: dict[str, torch.Tensor],
+        modes: tuple[bool, ...],
     ) -> _Compiled:
-        sig = self._signature(args, batched, trainable, p, params)
+        sig = self._signature(args, batched, trainable, p, params, modes)
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
@@ -228,11 +239,11 @@ class DPStep:
         batched: tuple[int, ...],
         n: int,
         params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
         trainable: tuple[str, ...],
     ) -> DPStepResult:
         layout = compiled.traced.layout
         p = layout.physical_batch_size
-        buffers = dict(self.model.named_buffers())
         state = [params[k].detach() for k in layout.trainable]
         for key in layout.others:
             kind, name = key.split(":", 1)
@@ -243,7 +254,8 @@ class DPStep:
         norms, losses, kept_all = [], [], []
         for start in range(0, n, p):
             m = min(p, n - start)
-            chunk = _pad_args(args, batched, start, m, p)
+            # A batch of exactly P rows is its own single chunk: no slicing, no padding.
+            chunk = args if n == p else _pad_args(args, batched, start, m, p)
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
             with torch.no_grad(), self._rng_scope(compiled, device):
@@ -311,6 +323,26 @@ class DPStep:
         )
         coverage = self.coverage or {k: "empty batch" for k in trainable}
         return DPStepResult(loss=torch.tensor(float("nan"), device=device), clipped=clipped, coverage=coverage)
+
+
+def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:
+    """``(dict(named_parameters()), dict(named_buffers()), tuple(m.training for m in modules()))``
+    in one walk of the module tree (three walks were a measurable share of a small model's step).
+    Shared tensors are listed once, under their first name, as ``named_parameters`` does."""
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    modes = []
+    for prefix, mod in model.named_modules():
+        modes.append(mod.training)
+        dot = prefix + "." if prefix else ""
+        for store, out, seen in ((mod._parameters, params, seen_params), (mod._buffers, buffers, seen_buffers)):
+            for name, t in store.items():
+                if t is not None and id(t) not in seen:
+                    seen.add(id(t))
+                    out[dot + name] = t
+    return params, buffers, tuple(modes)
 
 
 def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
