@@ -62,6 +62,16 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor), got)
 
 
+def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
+    p, k, r, c = 3, 2, 4, 5
+    at = torch.randn(p, k, r, generator=_gen(10), dtype=F64)
+    b = torch.randn(p, k, c, generator=_gen(11), dtype=F64)
+    kept = torch.tensor([True, False, True])
+    factor = torch.tensor([0.5, math.nan, 0.25], dtype=F64)
+    got = BOOKKEEPING_MM(at, b, kept, factor)
+    torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
+
+
 def test_bookkeeping_mm_accumulates_low_precision_factors_in_the_factor_dtype():
     p, k, r, c = 4, 3, 5, 6
     at = torch.randn(p, k, r, generator=_gen(7)).to(torch.bfloat16)

@@ -237,6 +237,54 @@ def test_layers_reading_the_same_input_share_its_gram_matrix():
     assert len(bmms) == 4
 
 
+class TwoPaddedTables(nn.Module):
+    """Two embeddings with the same padding id summed into one output: they share the output
+    gradient (B) but not their ids, which choose the rows of B that get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.e1 = nn.Embedding(5, 3, padding_idx=0)
+        self.e2 = nn.Embedding(5, 3, padding_idx=0)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.e1(a) + self.e2(b)
+
+
+def test_summed_padded_embeddings_do_not_share_a_gram_matrix():
+    model = _build(TwoPaddedTables)
+    a = torch.tensor([[0, 0, 1], [2, 0, 3], [4, 4, 0], [1, 2, 3]])
+    b = torch.tensor([[1, 1, 2], [0, 0, 3], [4, 1, 0], [0, 2, 2]])
+    got, _ = _compare(model, _sq_sum, (a, b), c=0.5, expected={"e1.weight": EMB, "e2.weight": EMB})
+    # The guarantee itself: one example alone contributes at most C.
+    one = compile_dp(_sq_sum, model=model, clipping_norm=0.5, physical_batch_size=1, backend=None)(a[:1], b[:1])
+    total = torch.cat([g.flatten() for g in one.clipped.grads.values()]).norm()
+    assert float(total) <= 0.5 * (1 + 1e-12)
+
+
+class CopiesAroundAnUpdate(nn.Module):
+    """Two layers read copies of one input taken before and after an in-place update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8, bias=False)
+        self.l2 = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xv = x.view(x.shape)
+        y1 = self.l1(xv.clone())
+        x.mul_(10)
+        return y1 + self.l2(xv.clone())
+
+
+def test_copies_of_one_input_around_an_in_place_update_keep_their_own_gram_matrices():
+    model = _build(CopiesAroundAnUpdate)
+    x = _randn(4, 2, 8, seed=9)  # T = 2: the Gram form
+    ghost, plain = _steps(model, _sq_sum, c=0.5)
+    got, want = ghost(x.clone()), plain(x.clone())
+    assert got.coverage == {"l1.weight": LINEAR, "l2.weight": LINEAR}
+    _assert_same(got, want)
+
+
 def test_embedding_batched_ids_with_repeats():
     model = _build(lambda: TokenModel())
     _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB} | HEAD)

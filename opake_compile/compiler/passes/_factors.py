@@ -129,13 +129,15 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
     return em(aten.bmm.default, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), _as_dtype(em, g.a, acc))
 
 
-#: Ops whose result is a pure function of their (tensor) input and constant arguments: two
-#: chains of them over the same node compute the same tensor.
+#: View ops: two chains of them with the same arguments over the same node alias the same
+#: memory, so they read the same values whenever they are read. Copies (``clone``,
+#: ``_to_copy``) are deliberately absent: two copies of one source taken before and after an
+#: in-place update hold different values, yet would get the same key.
 _PURE_VIEWS = frozenset({
     aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
     aten.transpose.int, aten.permute.default, aten.t.default, aten.alias.default,
-    aten.slice.Tensor, aten.select.int, aten.clone.default, aten._to_copy.default,
+    aten.slice.Tensor, aten.select.int,
 })
 
 
@@ -158,6 +160,15 @@ def value_key(node: fx.Node) -> object:
     return node
 
 
+def _b_key(f: Factor) -> object:
+    """What ``_b_of(f)`` depends on: B, and for a one-hot factor with a padding id also the ids
+    (they choose the rows that are zeroed): two embeddings summed into one output share B
+    but not their ids."""
+    if f.onehot and f.padding_idx is not None:
+        return (value_key(f.b), value_key(f.a), f.padding_idx)
+    return value_key(f.b)
+
+
 def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: dict | None = None) -> fx.Node:
     """Per-example squared Frobenius norm of ``sum_j A^j B^j``, shape (P,), in ``acc``.
 
@@ -178,7 +189,7 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
     for j, f in enumerate(factors):
         for k in range(j, len(factors)):
             g = factors[k]
-            b_key = (value_key(f.b), f.padding_idx if f.onehot else None, value_key(g.b), g.padding_idx if g.onehot else None, acc)
+            b_key = (_b_key(f), _b_key(g), acc)
             if f.k == 1 and g.k == 1 and not f.onehot and not g.onehot:
                 # Rank one (Goodfellow 2015): <a_f, a_g> <b_f, b_g> with vectors.
                 pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, acc), _as_dtype(em, g.a, acc)), [1, 2])

@@ -47,7 +47,9 @@ def bookkeeping_mm(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor
             left, right = at.to(acc), b.to(acc) * f3
     else:
         keep = kept.view(p, 1, 1)
-        left = torch.where(keep, at, 0).to(acc).mul_(f3)
+        # The factor is selected too, so the result never depends on an excluded row's
+        # factor (callers pass zero there, but 0 * NaN would not be zero).
+        left = torch.where(keep, at, 0).to(acc).mul_(torch.where(keep, f3, 0))
         right = torch.where(keep, b, 0).to(acc)
     return left.reshape(p * k, r).t() @ right.reshape(p * k, c)
 
@@ -60,6 +62,8 @@ _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 @torch.library.register_fake("opake::bookkeeping_mm")
 def _(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
+    torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
+    torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
     return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
 
 
