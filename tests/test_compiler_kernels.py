@@ -36,7 +36,7 @@ def test_bookkeeping_mm_matches_the_per_example_loop_when_every_example_is_kept(
     b = torch.randn(p, k, c, generator=_gen(2), dtype=F64)
     factor = torch.rand(p, generator=_gen(3), dtype=F64)
     kept = torch.ones(p, dtype=torch.bool)
-    got = BOOKKEEPING_MM(at, b, kept, factor)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
     assert got.shape == (r, c) and got.dtype == F64
     torch.testing.assert_close(got, _loop(at, b, kept, factor), rtol=1e-12, atol=1e-12)
 
@@ -52,14 +52,14 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     b[3, 1, 2] = math.inf
     kept = torch.tensor([True, False, True, False, True])
     factor = torch.where(kept, torch.rand(p, generator=_gen(6), dtype=F64), 0.0)
-    got = BOOKKEEPING_MM(at, b, kept, factor)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
     assert bool(torch.isfinite(got).all())
     want = _loop(at, b, kept, factor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # The excluded rows really are ignored: replacing them changes nothing.
     at2, b2 = at.clone(), b.clone()
     at2[1], b2[3] = 1e30, -1e30
-    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor), got)
+    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept.all()), got)
 
 
 def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
@@ -68,7 +68,7 @@ def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
     b = torch.randn(p, k, c, generator=_gen(11), dtype=F64)
     kept = torch.tensor([True, False, True])
     factor = torch.tensor([0.5, math.nan, 0.25], dtype=F64)
-    got = BOOKKEEPING_MM(at, b, kept, factor)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
     torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
 
 
@@ -78,7 +78,7 @@ def test_bookkeeping_mm_accumulates_low_precision_factors_in_the_factor_dtype():
     b = torch.randn(p, k, c, generator=_gen(8)).to(torch.bfloat16)
     factor = torch.rand(p, generator=_gen(9))
     for kept in (torch.ones(p, dtype=torch.bool), torch.tensor([True, False, True, True])):
-        got = BOOKKEEPING_MM(at, b, kept, factor)
+        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), _loop(at, b, kept, factor), rtol=1e-5, atol=1e-5)
 
@@ -87,7 +87,7 @@ def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():
     with FakeTensorMode():
         out = BOOKKEEPING_MM(
             torch.empty(4, 2, 3, dtype=torch.bfloat16), torch.empty(4, 2, 5, dtype=torch.bfloat16),
-            torch.empty(4, dtype=torch.bool), torch.empty(4, dtype=torch.float32),
+            torch.empty(4, dtype=torch.bool), torch.empty(4, dtype=torch.float32), torch.empty((), dtype=torch.bool),
         )
     assert out.shape == (3, 5) and out.dtype == torch.float32
 

@@ -245,6 +245,6 @@ def emit_clipped_sum(
             # operator reads both factors in (example, k)-major order without a copy; the
             # selects and the scaling happen inside it, one layer at a time.
             at = em(aten.permute.default, f.a, [0, 2, 1])
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, em(aten.all.default, kept))
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total

@@ -17,10 +17,12 @@ __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
-_LIB.define("bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor) -> Tensor")
+_LIB.define("bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept) -> Tensor")
 
 
-def bookkeeping_mm(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+def bookkeeping_mm(
+    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor
+) -> torch.Tensor:
     """``sum_i factor[i] * at[i]^T @ b[i]`` over the examples with ``kept[i]``.
 
     Args:
@@ -29,6 +31,8 @@ def bookkeeping_mm(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor
         kept: ``(P,)`` bool; excluded rows contribute exactly zero, even when they hold
             NaN or inf (they are selected away, never multiplied by zero).
         factor: ``(P,)`` clip factors; its dtype is the accumulation dtype of the result.
+        all_kept: 0-d bool, ``kept.all()`` (computed once in the graph rather than reduced
+            again in every layer's call).
 
     Returns:
         ``(R, C)`` in ``factor.dtype``.
@@ -37,21 +41,24 @@ def bookkeeping_mm(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor
     c = b.shape[2]
     acc = factor.dtype
     f3 = factor.view(p, 1, 1)
-    # On CPU reading ``kept`` costs nothing; when every example is kept the selects are the
-    # identity and only the smaller factor is copied (scaled). On an accelerator this would
-    # be a host sync per layer, so there the selects always run.
-    if kept.device.type == "cpu" and bool(kept.all()):
+    # On CPU reading ``all_kept`` costs nothing; when every example is kept the selects are
+    # the identity and only the smaller factor is copied (scaled). On an accelerator this
+    # would be a host sync per layer, so there the selects always run.
+    if all_kept.device.type == "cpu" and bool(all_kept):
+        # Few dispatches on this path: it runs once per layer per step on small models too.
         if r <= c:
-            left, right = at.to(acc) * f3, b.to(acc)
+            left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
+            right = b if b.dtype == acc else b.to(acc)
         else:
-            left, right = at.to(acc), b.to(acc) * f3
+            left = at if at.dtype == acc else at.to(acc)
+            right = torch.mul(b, f3) if b.dtype == acc else b.to(acc).mul_(f3)
     else:
         keep = kept.view(p, 1, 1)
         # The factor is selected too, so the result never depends on an excluded row's
         # factor (callers pass zero there, but 0 * NaN would not be zero).
         left = torch.where(keep, at, 0).to(acc).mul_(torch.where(keep, f3, 0))
         right = torch.where(keep, b, 0).to(acc)
-    return left.reshape(p * k, r).t() @ right.reshape(p * k, c)
+    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost
@@ -60,10 +67,11 @@ _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("opake::bookkeeping_mm")
-def _(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+def _(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor) -> torch.Tensor:
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
+    torch._check(all_kept.dim() == 0 and all_kept.dtype == torch.bool)
     return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
 
 
