@@ -84,11 +84,8 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         raise InputTypeError(f"verify expects a DPStep from compile_dp, got {type(step).__name__}.")
     result = step(*args)
     # The graph this call ran (its cache signature), not whichever graph was built last.
+    compiled = step._compiled_for(args)
     batched = step._batched_positions(len(args))
-    params = dict(step.model.named_parameters())
-    trainable = tuple(k for k, p in params.items() if p.requires_grad)
-    sig = step._signature(args, batched, trainable, step.physical_batch_size, params) if step._cache else None
-    compiled = step._cache.get(sig) if sig is not None else None
     if compiled is not None and compiled.traced.has_randomness:
         raise ConfigurationError(
             "The loss draws randomness (e.g. dropout in training mode), so the compiled and eager "

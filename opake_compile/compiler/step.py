@@ -169,6 +169,15 @@ class DPStep:
         return dict(list(self._cache.values())[-1].coverage)
 
     # ----------------------------------------------------------------- private
+    def _compiled_for(self, args: tuple) -> _Compiled | None:
+        """The graph a call with ``args`` runs, if it was built (None otherwise)."""
+        if not self._cache or self.physical_batch_size is None:
+            return None
+        batched = self._batched_positions(len(args))
+        params, _, modes = _model_state(self.model)
+        trainable = tuple(k for k, p in params.items() if p.requires_grad)
+        return self._cache.get(self._signature(args, batched, trainable, self.physical_batch_size, params, modes))
+
     def _batched_positions(self, nargs: int) -> tuple[int, ...]:
         if self.batch_argnums is None:
             return tuple(range(nargs))
