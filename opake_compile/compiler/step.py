@@ -137,7 +137,8 @@ class DPStep:
         if self.physical_batch_size is None:
             self.physical_batch_size = _default_physical_batch_size(n)
         p = self.physical_batch_size
-        compiled = self._get_compiled(args, batched, trainable, p, params, modes)
+        sig = self._signature(args, batched, trainable, p, params, modes)
+        compiled = self._get_compiled(sig, args, batched, p)
         return self._run(compiled, args, batched, n, params, buffers, trainable)
 
     def describe(self) -> str:
@@ -210,16 +211,8 @@ class DPStep:
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
         return (treedef, tuple(parts), trainable, model_state, modes, p)
 
-    def _get_compiled(
-        self,
-        args: tuple,
-        batched: tuple[int, ...],
-        trainable: tuple[str, ...],
-        p: int,
-        params: dict[str, torch.Tensor],
-        modes: tuple[bool, ...],
-    ) -> _Compiled:
-        sig = self._signature(args, batched, trainable, p, params, modes)
+    def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
+        """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
