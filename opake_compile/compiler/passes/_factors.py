@@ -20,10 +20,11 @@ at Small Cost")::
 
     sum_i f_i G_i = sum_j (f * A^j) concatenated over (example, k)  @  B^j concatenated
 
-one matrix product per term (an ``embedding_dense_backward`` for one-hot terms), never
-materialising a per-example ``R x C`` gradient. Rows of excluded examples (padding, non-finite)
-are removed from *both* factors with a select before any product, so a NaN in an excluded
-example cannot reach the sum (0 * NaN = NaN).
+one matrix product per term, never materialising a per-example ``R x C`` gradient: a call of
+``opake::bookkeeping_mm`` (:mod:`._kernels`) per dense term, an ``embedding_dense_backward``
+per one-hot term. Rows of excluded examples (padding, non-finite) are removed from *both*
+factors with a select before any product, so a NaN in an excluded example cannot reach the sum
+(0 * NaN = NaN).
 """
 
 from __future__ import annotations
