@@ -10,6 +10,7 @@ a fresh Inductor cache directory, its own peak-memory and max-RSS figures):
   np_compiled_backward non-private: torch.compile(loss) then .backward() (AOTAutograd fw+bw)
   dp_materialized      compile_dp(..., rewrites=[])   every per-example gradient materialised
   dp_default           compile_dp(..., rewrites=None) the library's default rewrite passes
+  dp_fused             the same with GhostClipping(bookkeeping="fused") (speed over memory)
   opacus_hooks         Opacus GradSampleModule + DPOptimizer.pre_step (noise 0)
   opacus_ghost         Opacus GradSampleModuleFastGradientClipping (ghost clipping, noise 0)
 
@@ -54,6 +55,7 @@ ALL_CONFIGS = (
     "np_compiled_backward",
     "dp_materialized",
     "dp_default",
+    "dp_fused",
     "opacus_hooks",
     "opacus_ghost",
 )
@@ -441,9 +443,12 @@ def run_config(config: str, spec: Spec, args: tuple, ns: argparse.Namespace) -> 
     elif config.startswith("dp_"):
         import opake_compile as opake
 
+        from opake_compile.compiler.passes.rewrites import GhostClipping
+
+        rewrites = {"dp_materialized": [], "dp_default": None, "dp_fused": [GhostClipping(bookkeeping="fused")]}[config]
         dp = opake.compile_dp(
             spec.loss_fn, model=model, clipping_norm=ns.clip, physical_batch_size=spec.batch_size,
-            backend="inductor", rewrites=[] if config == "dp_materialized" else None,
+            backend="inductor", rewrites=rewrites,
         )
 
         def step() -> None:

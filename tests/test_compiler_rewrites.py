@@ -601,3 +601,39 @@ def test_rule_selection_restricts_the_rewrite_families():
     _assert_same(got, want)
     with pytest.raises(ConfigurationError, match="Unknown rewrite rule"):
         GhostClipping(rules=("linear", "attention"))
+
+
+@pytest.mark.parametrize("case", [_seq_case, "padded"], ids=["nonfinite example", "padded rows"])
+def test_fused_bookkeeping_equals_the_per_layer_operator_and_the_unrewritten_step(case):
+    from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
+    from opake_compile.compiler.passes.rewrites import GhostClipping
+
+    if case == "padded":
+        model = _build(lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)))
+        args = (_randn(5, 5, seed=7), torch.randint(0, 3, (5,), generator=_gen(8)))
+        loss = _normalized_loss  # padded (zero) rows make NaN features: they must be selected away
+    else:
+        model, args, _ = case()
+        loss = lambda m, *a: (m(*a) - 0.5).pow(2).sum()  # noqa: E731
+    kw = dict(model=model, clipping_norm=0.5, physical_batch_size=4, backend=None)
+    fused = compile_dp(loss, rewrites=[GhostClipping(bookkeeping="fused")], **kw)
+    per_layer = compile_dp(loss, **kw)
+    plain = compile_dp(loss, rewrites=[], **kw)
+    got, want = fused(*args), plain(*args)
+    _assert_same(got, want)
+    _assert_same(per_layer(*args), want)
+    assert got.coverage == per_layer.coverage and LINEAR in got.coverage.values()
+
+    def calls(step) -> int:
+        gm = list(step._cache.values())[-1].traced.gm
+        return sum(n.target is BOOKKEEPING_MM for n in gm.graph.nodes)
+
+    assert calls(fused) == 0 and calls(per_layer) >= 1
+
+
+def test_unknown_bookkeeping_mode_is_refused():
+    from opake_compile.compiler.passes.rewrites import GhostClipping
+    from opake_compile.exceptions import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="bookkeeping='eager'"):
+        GhostClipping(bookkeeping="eager")

@@ -225,8 +225,13 @@ def emit_clipped_sum(
     kept: fx.Node,
     factor: fx.Node,
     acc: torch.dtype,
+    bookkeeping: str = "per_layer",
 ) -> fx.Node:
-    """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``."""
+    """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``.
+
+    ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
+    call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
+    :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off)."""
     p = shape(factors[0].b)[0]
     total = None
     for f in factors:
@@ -241,6 +246,17 @@ def emit_clipped_sum(
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
             term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
+        elif bookkeeping == "fused":
+            # The backend fuses these selects into its own kernels: fastest, but it may keep
+            # every layer's masked copies alive at once.
+            keep3 = em(aten.view.default, kept, [p, 1, 1])
+            f3 = em(aten.view.default, factor, [p, 1, 1])
+            zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+            at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
+            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
+            b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
+            a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
+            term = em(aten.mm.default, a_rows, em(aten.reshape.default, b, [p * k, c]))
         else:
             # A^T (P, K, R) is usually a view of a contiguous tensor (output gradients), so the
             # operator reads both factors in (example, k)-major order without a copy; the
