@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from _models import MathTransformer
 
 from opake_compile import compile_dp
+from opake_compile.compiler.passes.rewrites import GhostClipping
 
 SETTINGS = settings(
     max_examples=15,
@@ -109,8 +110,10 @@ def _check(model: nn.Module, loss_fn, args: tuple, *, c: float, p: int, dtype: t
     """Rewritten == unrewritten, sensitivity <= C (1 + tol); returns the rewritten coverage."""
     kw = dict(model=model, clipping_norm=c, physical_batch_size=p, backend=None)
     ghost = compile_dp(loss_fn, **kw)
+    fused = compile_dp(loss_fn, rewrites=[GhostClipping(bookkeeping="fused")], **kw)
     plain = compile_dp(loss_fn, rewrites=[], **kw)
     got, want = ghost(*args), plain(*args)
+    alt = fused(*args)
     n = int(args[0].shape[0])
     rtol = 1e-10 if dtype == torch.float64 else 1e-4
 
@@ -121,6 +124,10 @@ def _check(model: nn.Module, loss_fn, args: tuple, *, c: float, p: int, dtype: t
         assert g.shape == w.shape and g.dtype == w.dtype == dtype, k
         diff = float((g.double() - w.double()).abs().max())
         assert diff <= rtol * scale, f"{k}: max |diff| {diff:.3g} > {rtol * scale:.3g}"
+    # The opt-in fused book-keeping form computes the same sums as the default operator.
+    for k, w in want.clipped.grads.items():
+        diff = float((alt.clipped.grads[k].double() - w.double()).abs().max())
+        assert diff <= rtol * scale, f"fused {k}: max |diff| {diff:.3g} > {rtol * scale:.3g}"
     gn, wn = got.clipped.per_example_norms.double(), want.clipped.per_example_norms.double()
     assert gn.shape == wn.shape == (n,)
     if n:
@@ -173,6 +180,35 @@ def test_mlp_rewritten_equals_unrewritten(common, sizes, seq, bias, layernorm, d
     cov = _check(model, _ce, args, trainable=trainable, **_kw(common))
     for k, label in cov.items():
         assert label in (LINEAR if k.endswith("weight") and model.get_parameter(k).dim() == 2 else {DIRECT}), (k, label)
+
+
+class Projections(nn.Module):
+    """Separate q/k/v-style projections of one input, mixed non-linearly: the layers share
+    their input's Gram matrix in the rewritten graph."""
+
+    def __init__(self, d: int, n_out: int, heads: int) -> None:
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Linear(d, d) for _ in range(heads))
+        self.out = nn.Linear(d, n_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.stack([p(x) for p in self.proj]).tanh().prod(0)
+        return self.out(h).mean(1)
+
+
+@SETTINGS
+@given(
+    common=_common(),
+    d=st.integers(1, 6),
+    seq=st.integers(1, 8),
+    heads=st.integers(2, 3),
+    data=st.data(),
+)
+def test_projections_of_one_input_rewritten_equals_unrewritten(common, d, seq, heads, data):
+    model = _build(lambda: Projections(d, 3, heads), common["seed"], common["dtype"])
+    trainable = _freeze(data, model)
+    args = (_inputs(common, seq, d, scale=2.0), _labels(common, 3))
+    _check(model, _ce, args, trainable=trainable, **_kw(common))
 
 
 @SETTINGS
