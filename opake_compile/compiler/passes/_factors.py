@@ -233,13 +233,15 @@ def emit_clipped_sum(
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off)."""
     p = shape(factors[0].b)[0]
+    # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
+    # removed by dead-code elimination.
+    keep3 = em(aten.view.default, kept, [p, 1, 1])
+    f3 = em(aten.view.default, factor, [p, 1, 1])
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
         if f.onehot:
-            keep3 = em(aten.view.default, kept, [p, 1, 1])
-            f3 = em(aten.view.default, factor, [p, 1, 1])
-            zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
             b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
             weighted = em(aten.mul.Tensor, b, f3)
             flat_ids = em(aten.reshape.default, f.a, [p * k])
@@ -249,9 +251,6 @@ def emit_clipped_sum(
         elif bookkeeping == "fused":
             # The backend fuses these selects into its own kernels: fastest, but it may keep
             # every layer's masked copies alive at once.
-            keep3 = em(aten.view.default, kept, [p, 1, 1])
-            f3 = em(aten.view.default, factor, [p, 1, 1])
-            zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
             at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
             at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
             b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
