@@ -30,6 +30,7 @@ factors with a select before any product, so a NaN in an excluded example cannot
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx as fx
@@ -203,7 +204,53 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
+    if sum(f.k for f in factors) > 1:
+        total = _guard_cancellation(em, factors, bs, total, acc)
     return total
+
+
+#: The Gram form's result is trusted when it exceeds this many times a realistic estimate of
+#: its rounding error; below that it is replaced by an upper bound (see _guard_cancellation).
+_TRUST = 256.0
+
+
+def _unit_roundoff(acc: torch.dtype) -> float:
+    if acc == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return 2.0**-8  # TF32 / bf16 products may be used for float32 matmuls
+    return torch.finfo(acc).eps / 2
+
+
+def _guard_cancellation(em: Emitter, factors: list[Factor], bs: list[fx.Node], sq: fx.Node, acc: torch.dtype) -> fx.Node:
+    """Fail closed when the Gram form may have cancelled.
+
+    ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs whose magnitudes are bounded
+    by ``S^2``, ``S = sum_k ||a_k|| ||b_k||`` (over every term's positions). When the squared
+    norm is tiny next to ``S^2`` (positions whose gradients nearly cancel), rounding can make
+    it far too small, the clip factor too large and the example's contribution exceed C.
+    Where ``sq`` is not at least ``_TRUST`` times a realistic error estimate
+    (``4 sqrt(n) u S^2``), it is replaced by ``sq + 2 n u S^2``, above the worst-case rounding
+    bound: the example is clipped harder than needed, never less. Typical examples
+    (``sq ~ S^2 / K``) keep their Gram value unchanged."""
+    s = None
+    n = 4
+    dense_pair = sum(1 for f in factors if not f.onehot) >= 1
+    for f, b in zip(factors, bs):
+        nb = em(aten.sqrt.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, b, b), [2]))
+        if f.onehot:
+            prod = nb  # a one-hot column has norm 1 (padding rows of B are zero already)
+        else:
+            a = _as_dtype(em, f.a, acc)
+            na = em(aten.sqrt.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, a, a), [1]))
+            prod = em(aten.mul.Tensor, na, nb)
+        part = em(aten.sum.dim_IntList, prod, [1])
+        s = part if s is None else em(aten.add.Tensor, s, part)
+        n += f.cols + (f.rows if dense_pair and not f.onehot else 0)
+    n += sum(f.k for f in factors) ** 2
+    u = _unit_roundoff(acc)
+    bound = em(aten.mul.Tensor, s, s)
+    trusted = em(aten.ge.Tensor, sq, em(aten.mul.Tensor, bound, _TRUST * 4.0 * math.sqrt(n) * u))
+    safe = em(aten.add.Tensor, sq, em(aten.mul.Tensor, bound, 2.0 * n * u))
+    return em(aten.where.self, trusted, sq, safe)
 
 
 def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Node:
