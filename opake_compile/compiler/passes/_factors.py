@@ -188,6 +188,7 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
 
     bs = [_b_of(em, f, acc) for f in factors]
     total = None
+    s_parts = []  # per term: sum_k ||a_k|| ||b_k||, from the diagonals of its own Gram matrices
     for j, f in enumerate(factors):
         for k in range(j, len(factors)):
             g = factors[k]
@@ -197,15 +198,23 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
                 pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, acc), _as_dtype(em, g.a, acc)), [1, 2])
                 pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, bs[j], bs[k]), [1, 2]))
                 term = em(aten.mul.Tensor, pa, pb)
+                if k == j:
+                    s_parts.append(em(aten.sqrt.default, term))
             else:
                 ga = _gram_a(em, f, g, acc)
                 gb = cached(("gram",) + b_key, lambda: em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2)))
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
+                if k == j:
+                    # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
+                    # cancellation, and already computed.
+                    da = em(aten.diagonal.default, ga, 0, 1, 2)
+                    db = em(aten.diagonal.default, gb, 0, 1, 2)
+                    s_parts.append(em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, da, db)), [1]))
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
     if sum(f.k for f in factors) > 1:
-        total = _guard_cancellation(em, factors, bs, total, acc)
+        total = _guard_cancellation(em, factors, s_parts, total, acc)
     return total
 
 
@@ -220,32 +229,21 @@ def _unit_roundoff(acc: torch.dtype) -> float:
     return torch.finfo(acc).eps / 2
 
 
-def _guard_cancellation(em: Emitter, factors: list[Factor], bs: list[fx.Node], sq: fx.Node, acc: torch.dtype) -> fx.Node:
+def _guard_cancellation(em: Emitter, factors: list[Factor], s_parts: list[fx.Node], sq: fx.Node, acc: torch.dtype) -> fx.Node:
     """Fail closed when the Gram form may have cancelled.
 
     ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs whose magnitudes are bounded
-    by ``S^2``, ``S = sum_k ||a_k|| ||b_k||`` (over every term's positions). When the squared
-    norm is tiny next to ``S^2`` (positions whose gradients nearly cancel), rounding can make
-    it far too small, the clip factor too large and the example's contribution exceed C.
-    Where ``sq`` is not at least ``_TRUST`` times a realistic error estimate
-    (``4 sqrt(n) u S^2``), it is replaced by ``sq + 2 n u S^2``, above the worst-case rounding
-    bound: the example is clipped harder than needed, never less. Typical examples
-    (``sq ~ S^2 / K``) keep their Gram value unchanged."""
-    s = None
-    n = 4
-    dense_pair = sum(1 for f in factors if not f.onehot) >= 1
-    for f, b in zip(factors, bs):
-        nb = em(aten.sqrt.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, b, b), [2]))
-        if f.onehot:
-            prod = nb  # a one-hot column has norm 1 (padding rows of B are zero already)
-        else:
-            a = _as_dtype(em, f.a, acc)
-            na = em(aten.sqrt.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, a, a), [1]))
-            prod = em(aten.mul.Tensor, na, nb)
-        part = em(aten.sum.dim_IntList, prod, [1])
-        s = part if s is None else em(aten.add.Tensor, s, part)
-        n += f.cols + (f.rows if dense_pair and not f.onehot else 0)
-    n += sum(f.k for f in factors) ** 2
+    by ``S^2``, ``S = sum_k ||a_k|| ||b_k||`` over every term's positions (``s_parts``, one
+    per term, read off the Gram diagonals). When the squared norm is tiny next to ``S^2``
+    (positions whose gradients nearly cancel), rounding can make it far too small, the clip
+    factor too large and the example's contribution exceed C. Where ``sq`` is not at least
+    ``_TRUST`` times a realistic error estimate (``4 sqrt(n) u S^2``), it is replaced by
+    ``sq + 2 n u S^2``, above the worst-case rounding bound: the example is clipped harder than
+    needed, never less. Typical examples (``sq ~ S^2 / K``) keep their Gram value unchanged."""
+    s = s_parts[0]
+    for part in s_parts[1:]:
+        s = em(aten.add.Tensor, s, part)
+    n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
     u = _unit_roundoff(acc)
     bound = em(aten.mul.Tensor, s, s)
     trusted = em(aten.ge.Tensor, sq, em(aten.mul.Tensor, bound, _TRUST * 4.0 * math.sqrt(n) * u))
