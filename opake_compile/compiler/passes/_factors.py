@@ -152,8 +152,8 @@ def _freeze(x: object) -> object:
 
 
 def value_key(node: fx.Node) -> object:
-    """A hashable key equal for nodes that compute the same tensor through pure view/copy
-    chains from the same source (each ``nn.Linear`` reading ``x`` gets its own chain of views
+    """A hashable key equal for nodes that alias the same tensor through chains of view ops
+    (:data:`_PURE_VIEWS`) from the same source (each ``nn.Linear`` reading ``x`` gets its own chain of views
     in the vmapped graph)."""
     if node.op == "call_function" and node.target in _PURE_VIEWS and isinstance(node.args[0], fx.Node):
         rest = tuple(a for a in node.args[1:] if not isinstance(a, fx.Node))
@@ -271,12 +271,15 @@ def emit_clipped_sum(
     factor: fx.Node,
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
+    all_kept: fx.Node | None = None,
 ) -> fx.Node:
     """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``.
 
     ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
-    :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off)."""
+    :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
+    ``all_kept``: a node holding ``kept.all()``, shared by every call in one graph (emitted
+    here when not given)."""
     p = shape(factors[0].b)[0]
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
@@ -306,6 +309,8 @@ def emit_clipped_sum(
             # operator reads both factors in (example, k)-major order without a copy; the
             # selects and the scaling happen inside it, one layer at a time.
             at = em(aten.permute.default, f.a, [0, 2, 1])
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, em(aten.all.default, kept))
+            if all_kept is None:
+                all_kept = em(aten.all.default, kept)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total

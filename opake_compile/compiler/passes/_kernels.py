@@ -4,9 +4,9 @@
 ``sum_i f_i A_i @ B_i`` with the excluded examples selected away. Emitted as plain ATen ops,
 the selects and the scaling are pointwise consumers of the clip factor, and Inductor fuses
 all of them, for every layer, into the kernel that computes the factor: every layer's masked
-copies are then alive at once (measured: the MLP step's peak memory went from 1.5x to 1.9x
-the non-private step). As one operator per layer, the copies exist one layer at a time and
-are freed as soon as that layer's product is done.
+copies are then alive at once (measured on the MLP bench: 1.50x the non-private step's peak
+memory with plain ops, 1.20x with this operator). As one operator per layer, the copies exist
+one layer at a time and are freed as soon as that layer's product is done.
 """
 
 from __future__ import annotations

@@ -225,6 +225,8 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: st
     coverage: dict[str, str] = {}
     notes: dict[str, str] = {}
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
+    # kept.all(), read by every book-keeping call: computed once, before the output.
+    all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
     for name, sq in sq_nodes.items():
         g = _gradient_of(sq)
         p = shape(g)[0]
@@ -259,7 +261,7 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: st
         sq.replace_all_uses_with(new_sq)
         old_sum = sum_nodes[name]
         em_out = Emitter(graph, before=out_node)
-        summed = emit_clipped_sum(em_out, factors, kept, factor, acc, bookkeeping)
+        summed = emit_clipped_sum(em_out, factors, kept, factor, acc, bookkeeping, all_kept)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
         if val(summed).dtype != val(g).dtype:
             summed = em_out(aten._to_copy.default, summed, dtype=val(g).dtype)
@@ -270,6 +272,8 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: st
                 graph.erase_node(node)
         for f in factors:
             matches[f.rule] = matches.get(f.rule, 0) + 1
+    if not all_kept.users:
+        graph.erase_node(all_kept)
     return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
 
 
