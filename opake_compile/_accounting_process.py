@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PrivacyProcess",
     "GaussianMechanism",
+    "AdaClipMechanism",
     "PoissonSampled",
     "EpsDeltaMechanism",
     "IdentityProcess",
@@ -40,6 +41,8 @@ __all__ = [
     "Repeated",
     "Composed",
     "gaussian",
+    "adaclip",
+    "adaclip_noise_multipliers",
     "poisson",
     "eps_delta",
     "identity",
@@ -174,6 +177,38 @@ class GaussianMechanism(PrivacyProcess):
 
     def __repr__(self) -> str:
         return f"gaussian({self.noise_multiplier!r})"
+
+
+@dataclass(frozen=True, repr=False)
+class AdaClipMechanism(PrivacyProcess):
+    """One step of adaptive clipping (Andrew et al. 2021): two Gaussian releases, same data.
+
+    The clipped gradient sum (sensitivity C, noise std sigma C) and the count of examples whose
+    norm is at most C (sensitivity 1, not centred, noise std sigma_b). Equivalent to
+    ``gaussian(noise_multiplier) | gaussian(count_noise_multiplier)``, i.e. one Gaussian
+    mechanism with ``effective_noise_multiplier = (sigma^-2 + sigma_b^-2)^(-1/2)``.
+
+    Attributes:
+        noise_multiplier: sigma of the gradient query.
+        count_noise_multiplier: sigma_b, the std of the noise on the count.
+    """
+
+    noise_multiplier: float
+    count_noise_multiplier: float
+
+    @property
+    def effective_noise_multiplier(self) -> float:
+        """(sigma^-2 + sigma_b^-2)^(-1/2); 0 when either is 0."""
+        inverse_variance = _inverse_variance(self)
+        return 0.0 if math.isinf(inverse_variance) else inverse_variance**-0.5
+
+    def to_dp_event(self) -> dp_event.DpEvent:
+        return dp_event.ComposedDpEvent(
+            [dp_event.GaussianDpEvent(self.noise_multiplier), dp_event.GaussianDpEvent(self.count_noise_multiplier)]
+        )
+
+    def __repr__(self) -> str:
+        return f"adaclip({self.noise_multiplier!r}, {self.count_noise_multiplier!r})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -331,6 +366,8 @@ def _inverse_variance(mechanism: PrivacyProcess) -> float:
     if isinstance(mechanism, GaussianMechanism):
         sigma = mechanism.noise_multiplier
         return math.inf if sigma == 0 else sigma**-2
+    if isinstance(mechanism, AdaClipMechanism):
+        return sum(math.inf if s == 0 else s**-2 for s in (mechanism.noise_multiplier, mechanism.count_noise_multiplier))
     if isinstance(mechanism, IdentityProcess):
         return 0.0
     if isinstance(mechanism, Repeated):
@@ -372,6 +409,88 @@ def gaussian(noise_multiplier: float) -> GaussianMechanism:
         0.1269
     """
     return GaussianMechanism(check_noise_multiplier(noise_multiplier))
+
+
+def adaclip(noise_multiplier: float, count_noise_multiplier: float) -> AdaClipMechanism:
+    """The mechanism of one adaptive-clipping step (Andrew et al. 2021) on one sample.
+
+    Adaptive clipping releases, from the same examples, the clipped gradient sum with noise
+    std sigma C and the count of examples whose gradient norm is at most C with noise std
+    sigma_b. Our count is not centred (sensitivity 1, where Andrew et al. centre it to
+    sensitivity 1/2), so the step is ``gaussian(sigma) | gaussian(sigma_b)``: one Gaussian
+    mechanism with effective noise multiplier ``(sigma^-2 + sigma_b^-2)^(-1/2)`` (both
+    queries' noise-normalised shifts add in quadrature). Use it inside :func:`poisson` for
+    DP-SGD: ``poisson(adaclip(sigma, sigma_b), q) * steps``.
+
+    Args:
+        noise_multiplier: sigma >= 0 of the gradient query.
+        count_noise_multiplier: sigma_b >= 0, the std of the noise on the count.
+
+    Raises:
+        InputTypeError: not real numbers.
+        ConfigurationError: negative, NaN or infinite.
+
+    Warns:
+        NotPrivateWarning: either is 0 (epsilon = inf).
+
+    Example::
+
+        >>> from opake_compile import accounting as acc
+        >>> round(acc.adaclip(1.0, 1.0).effective_noise_multiplier, 4)
+        0.7071
+        >>> step = acc.poisson(acc.adaclip(1.0, 0.4), sample_rate=0.1)
+        >>> 40 < (step * 50).epsilon_at(1e-5) < 50
+        True
+    """
+    return AdaClipMechanism(
+        check_noise_multiplier(noise_multiplier),
+        check_noise_multiplier(count_noise_multiplier, name="count_noise_multiplier"),
+    )
+
+
+def adaclip_noise_multipliers(total_noise_multiplier: float, count_noise_multiplier: float) -> tuple[float, float]:
+    """Split a total noise multiplier between the gradient and the count of adaptive clipping.
+
+    Returns the gradient noise multiplier sigma such that ``adaclip(sigma, sigma_b)`` is exactly
+    as private as ``gaussian(total_noise_multiplier)``, at any sampling rate and step count:
+    sigma^-2 + sigma_b^-2 = sigma_total^-2, so
+
+        sigma = (sigma_total^-2 - sigma_b^-2)^(-1/2).
+
+    This is Andrew et al. 2021 (Section 3.1, sigma = (z^-2 - (2 sigma_b)^-2)^(-1/2)) with the
+    count's sensitivity 1 instead of 1/2, since our count is not centred. Andrew et al. suggest
+    sigma_b = expected_batch_size / 20.
+
+    Args:
+        total_noise_multiplier: sigma_total > 0, e.g. from :func:`calibrate` for plain DP-SGD.
+        count_noise_multiplier: sigma_b > sigma_total.
+
+    Returns:
+        ``(noise_multiplier, count_noise_multiplier)``.
+
+    Raises:
+        ConfigurationError: sigma_total <= 0, or sigma_b <= sigma_total (the count alone would
+            spend the whole budget or more), or either not finite.
+
+    Example::
+
+        >>> from opake_compile import accounting as acc
+        >>> sigma, sigma_b = acc.adaclip_noise_multipliers(1.0, 2.0)
+        >>> round(sigma, 4), sigma_b
+        (1.1547, 2.0)
+    """
+    total = check_noise_multiplier(total_noise_multiplier, name="total_noise_multiplier")
+    count = check_noise_multiplier(count_noise_multiplier, name="count_noise_multiplier")
+    if not total > 0:
+        raise ConfigurationError(f"Expected total_noise_multiplier={total!r} > 0.")
+    if not count > total:
+        raise ConfigurationError(
+            f"Expected count_noise_multiplier={count!r} > total_noise_multiplier={total!r}: the "
+            "count query alone would spend the whole budget. Increase count_noise_multiplier "
+            "(Andrew et al. 2021 suggest expected_batch_size / 20) or the total noise."
+        )
+    remaining = total**-2 - count**-2
+    return remaining**-0.5, count
 
 
 def poisson(

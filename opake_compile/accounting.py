@@ -49,6 +49,7 @@ from opake_compile._accounting_accountant import (
 )
 from opake_compile._accounting_calibration import CalibrationResult, calibrate
 from opake_compile._accounting_process import (
+    AdaClipMechanism,
     Composed,
     EpsDeltaMechanism,
     GaussianMechanism,
@@ -57,6 +58,8 @@ from opake_compile._accounting_process import (
     PoissonSampled,
     PrivacyProcess,
     Repeated,
+    adaclip,
+    adaclip_noise_multipliers,
     dpsgd_step_process,
     eps_delta,
     gaussian,
@@ -68,6 +71,8 @@ from opake_compile._accounting_process import (
 __all__ = [
     # processes
     "gaussian",
+    "adaclip",
+    "adaclip_noise_multipliers",
     "poisson",
     "eps_delta",
     "identity",
@@ -75,6 +80,7 @@ __all__ = [
     "dpsgd_step_process",
     "PrivacyProcess",
     "GaussianMechanism",
+    "AdaClipMechanism",
     "PoissonSampled",
     "EpsDeltaMechanism",
     "IdentityProcess",

@@ -8,6 +8,12 @@ update rule then works on the privatised gradient (DP-Adam is ``Adam`` wrapped h
 
 Every logical step is counted for the accountant, an empty batch included: it releases pure
 noise, and skipping it would reveal that the batch was empty.
+
+Every release is charged. The accountant charges what each ``ClippedPytree`` says was released
+from its sample (the gradient query, plus ``clipped.releases`` such as the noisy count of
+adaptive clipping, accounted as ``poisson(gaussian(sigma) | release, q)``), and it charges per
+Poisson *draw* of the sampler, not per call: several draws in one step are refused, and a draw
+handed out but never stepped on is charged at the next step that names a later draw.
 """
 
 from __future__ import annotations
@@ -41,14 +47,17 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
 
     Args:
         parts: ``ClippedPytree`` s with the same clipping norm, parameters and keys, none of
-            them normalised.
+            them normalised, all of the same Poisson draw (or of an unknown one).
 
     Returns:
-        One ``ClippedPytree``: grads added, per-example norms concatenated, counts added.
+        One ``ClippedPytree``: grads added, per-example norms concatenated, counts added, the
+        parts' other releases all kept (each part's release was made on the same sample).
 
     Raises:
         InputTypeError: an element is not a ``ClippedPytree``; the list is empty.
-        ConfigurationError: the parts disagree on C or on the parameters, or one is normalised.
+        ConfigurationError: the parts disagree on C or on the parameters, one is normalised, or
+            they come from different Poisson draws (one noise on the sum of several draws is
+            not a Poisson-subsampled Gaussian at rate q).
     """
     parts = list(parts)
     if not parts:
@@ -68,6 +77,12 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
             raise ConfigurationError("Cannot accumulate sums over different parameters.")
         if p.num_ranks != first.num_ranks:
             raise ConfigurationError("Cannot accumulate a local sum with a sum reduced over ranks.")
+    draws = {p.draw for p in parts if p.draw is not None}
+    if len(draws) > 1:
+        raise ConfigurationError(
+            f"Cannot accumulate parts of {len(draws)} different Poisson draws into one step: "
+            "each draw is one logical batch; take one optimizer step per draw."
+        )
     grads = {k: sum(p.grads[k] for p in parts) for k in first.grads}
     return ClippedPytree(
         grads=grads,
@@ -77,6 +92,8 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
         num_nonfinite=sum(p.num_nonfinite for p in parts),
         num_ranks=first.num_ranks,
         parameters=first.parameters,
+        releases=tuple(r for p in parts for r in p.releases),
+        draw=next(iter(draws), None),
     )
 
 
@@ -160,6 +177,8 @@ class DPOptimizer:
             )
         self.budget = budget
         self._steps = 0
+        self._draws_charged = 0  # draws of the sampler with seq < this are charged
+        self._runs: tuple[tuple[Any, int], ...] = ()  # ((step process, count), ...) in order
         with warnings.catch_warnings():
             # sigma = 0 was already reported above; do not repeat it on every accounting query.
             warnings.simplefilter("ignore", NotPrivateWarning)
@@ -200,19 +219,22 @@ class DPOptimizer:
 
     @property
     def steps(self) -> int:
-        """Logical steps taken (empty batches included): what the accountant charges for."""
+        """Poisson steps charged (empty batches and skipped draws included): what the
+        accountant charges for. Equal to the number of ``step`` calls when each call names the
+        next draw."""
         return self._steps
 
     # ---------------------------------------------------------------- accounting
     @property
     def step_process(self) -> Any:
-        """The privacy process of one logical step (Poisson-subsampled Gaussian)."""
+        """The privacy process of one logical step of the gradient query alone
+        (``poisson(gaussian(sigma), q, ...)``); steps with other releases charge more."""
         return self._step_process
 
     @property
     def process(self) -> Any:
-        """The privacy process of all steps taken so far."""
-        return self.step_process * self.steps
+        """The privacy process of all steps charged so far, in order (``p1 * k1 | p2 * k2``)."""
+        return _runs_process(self._runs, self.step_process)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (default: the budget's delta)."""
@@ -238,7 +260,7 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def step(self, clipped: ClippedPytree | Sequence[ClippedPytree]) -> None:
+    def step(self, clipped: ClippedPytree | Sequence[ClippedPytree], *, draw: Any = None) -> None:
         """Privatise ``clipped`` (one logical batch) and step the wrapped optimizer.
 
         Writes ``p.grad = (sum + N(0, (sigma C)^2 I)) / (q N)`` for every trainable parameter in
@@ -246,11 +268,28 @@ class DPOptimizer:
         non-private gradient is never applied). A sequence of ``ClippedPytree`` (physical
         batches of one logical batch) is accumulated first.
 
+        What is charged: ``poisson(gaussian(sigma) | *clipped.releases, q, ...)`` once per Poisson
+        draw up to the draw this step used. Name it with ``draw=`` (the
+        :class:`~opake_compile.sampling.Draw` the sampler yielded, or its ``.id``; see
+        :func:`~opake_compile.sampling.draw_loader` for a ``DataLoader``) or in
+        ``clipped.draw``. Then every draw of the sampler up to that one not charged yet is
+        charged now (a draw handed out and skipped may have been used elsewhere), and later
+        draws (prefetched) are not. Without a draw, the step charges the one draw handed out
+        since the last step (or one step if the sampler handed out none) and is refused when
+        several were handed out: one noise on the sum of several draws is not a step at rate q.
+
+        Args:
+            clipped: the ``ClippedPytree`` of one logical batch, or its physical parts.
+            draw: optional :class:`~opake_compile.sampling.Draw` / ``DrawId`` of that batch.
+
         Raises:
             InputTypeError: not a ``ClippedPytree`` (a ``NoisedPytree`` is refused: no double
                 noising); it carries no parameter references.
             ConfigurationError: the sum was already normalised; C = inf with sigma > 0; a
-                gradient whose parameter is not in the optimizer or has another shape.
+                gradient whose parameter is not in the optimizer or has another shape; parts or
+                a ``draw`` from different draws, a draw of another sampler, a draw already
+                charged, or several draws handed out and none named; a release in
+                ``clipped.releases`` that cannot be accounted for.
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
         """
         if not isinstance(clipped, ClippedPytree):
@@ -278,14 +317,11 @@ class DPOptimizer:
         if math.isinf(c) and self.noise_multiplier > 0:
             raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")
         targets = self._match_parameters(clipped)
+        charge, draws_charged = self._charge(clipped, draw)
+        step_process = self._release_process(clipped.releases)
+        runs = _append_run(self._runs, step_process, charge)
         if self.budget is not None:
-            allowed = self.max_steps()
-            if self.steps + 1 > allowed:
-                raise PrivacyBudgetExhaustedError(
-                    f"Step {self.steps + 1} would exceed the privacy budget {self.budget}: it allows "
-                    f"{allowed} step(s) with noise_multiplier={self.noise_multiplier}, "
-                    f"sample_rate={self.sample_rate}. No state was changed."
-                )
+            self._check_budget(runs, step_process, charge)
         next_key, draw_key = _random.split(self._key, 2)
         std = self.noise_multiplier * c if self.noise_multiplier > 0 else 0.0
         noised = add_gaussian_noise(clipped.grads, std, draw_key)
@@ -303,7 +339,95 @@ class DPOptimizer:
             p.grad = new_grads[name]
         self.optimizer.step()
         self._key = next_key
-        self._steps += 1
+        self._steps += charge
+        self._runs = runs
+        self._draws_charged = draws_charged
+
+    # ------------------------------------------------------- what a step charges
+    def _charge(self, clipped: ClippedPytree, draw: Any) -> tuple[int, int]:
+        """(Poisson steps to charge, draws charged afterwards) for a step on ``clipped``."""
+        from opake_compile.sampling import draw_of
+
+        named = draw_of(draw)
+        if named is not None and clipped.draw is not None and named != clipped.draw:
+            raise ConfigurationError(
+                f"step(draw=...) names draw {named.seq} but the ClippedPytree comes from draw "
+                f"{clipped.draw.seq}: one step per draw."
+            )
+        named = named if named is not None else clipped.draw
+        handed_out = getattr(self.sampler, "draws_handed_out", None)
+        if named is not None:
+            if named.source != getattr(self.sampler, "_id", None):
+                raise ConfigurationError(
+                    "This draw was handed out by another sampler than the optimizer's; q and N "
+                    "are read from the optimizer's sampler, so its draws must be used."
+                )
+            if named.seq < self._draws_charged:
+                raise ConfigurationError(
+                    f"Draw {named.seq} (epoch {named.epoch}, step {named.step}) is already "
+                    f"charged (draws 0..{self._draws_charged - 1} are): one step per draw, in the "
+                    "order the sampler handed them out."
+                )
+            return named.seq + 1 - self._draws_charged, named.seq + 1
+        pending = 0 if handed_out is None else handed_out - self._draws_charged
+        if pending > 1:
+            raise ConfigurationError(
+                f"The sampler handed out {pending} draws since the last charged step and this step "
+                "names none, so the optimizer cannot tell chunks of one draw from several draws "
+                "(one noise on the sum of several draws is not a step at rate q). Pass "
+                "step(clipped, draw=batch_indices) with the Draw the sampler yielded (with a "
+                "prefetching DataLoader use opake_compile.sampling.draw_loader), and take one "
+                "step per draw."
+            )
+        return 1, self._draws_charged + max(pending, 0)
+
+    def _release_process(self, releases: tuple[Any, ...]) -> Any:
+        """The privacy process of one step that also made ``releases`` from its sample."""
+        if not releases:
+            return self._step_process
+        for r in releases:
+            if not isinstance(r, _acc.PrivacyProcess):
+                raise InputTypeError(
+                    f"ClippedPytree.releases must hold privacy processes (accounting.gaussian(...)), "
+                    f"got {type(r).__name__}; the optimizer refuses a release it cannot account for."
+                )
+        from opake_compile._accounting_process import _inverse_variance
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", NotPrivateWarning)
+            mechanism = _acc.gaussian(self.noise_multiplier)
+            try:
+                for r in releases:  # each as the one Gaussian it is equivalent to
+                    inverse_variance = _inverse_variance(r)
+                    if inverse_variance > 0:
+                        mechanism = mechanism | _acc.gaussian(0.0 if math.isinf(inverse_variance) else inverse_variance**-0.5)
+                return _acc.poisson(
+                    mechanism,
+                    self.sample_rate,
+                    truncated_batch_size=self.truncated_batch_size,
+                    dataset_size=self.dataset_size,
+                )
+            except ConfigurationError as err:
+                raise ConfigurationError(
+                    f"DPOptimizer cannot account for the releases {releases!r} made with this step, "
+                    f"so it refuses the step: {err}"
+                ) from err
+
+    def _check_budget(self, runs: tuple[tuple[Any, int], ...], step_process: Any, charge: int) -> None:
+        if len(runs) == 1:  # the common case: one kind of step, answered from a cached search
+            allowed = self.accountant.max_steps(step_process, self.budget)
+            ok = runs[0][1] <= allowed
+            detail = f"it allows {allowed} step(s) of {step_process!r}"
+        else:
+            spent = self.budget.spent(_runs_process(runs, self.step_process), self.accountant)
+            ok = spent <= self.budget.target
+            detail = f"the {self.budget.quantity} spent would be {spent:g}"
+        if not ok:
+            raise PrivacyBudgetExhaustedError(
+                f"Step {self.steps + 1} (charging {charge} Poisson step(s)) would exceed the "
+                f"privacy budget {self.budget}: {detail}, with noise_multiplier="
+                f"{self.noise_multiplier}, sample_rate={self.sample_rate}. No state was changed."
+            )
 
     def _match_parameters(self, clipped: ClippedPytree) -> dict[str, torch.Tensor]:
         if clipped.parameters is None or not isinstance(clipped.grads, dict):
@@ -341,6 +465,9 @@ class DPOptimizer:
             "sample_rate": self.sample_rate,
             "dataset_size": self.dataset_size,
             "truncated_batch_size": self.truncated_batch_size,
+            "draws_charged": self._draws_charged,
+            # Each run of identical steps: the noise multipliers of the other releases, count.
+            "runs": [[_release_sigmas(proc, self.step_process), count] for proc, count in self._runs],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -363,6 +490,47 @@ class DPOptimizer:
                     "the privacy accounting would not match."
                 )
         key = _random.key_from_state(state["key"])
+        steps = int(state["steps"])
+        saved_runs = state.get("runs", [[[], steps]] if steps else [])
+        runs: tuple[tuple[Any, int], ...] = ()
+        try:
+            for sigmas, count in saved_runs:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", NotPrivateWarning)
+                    releases = tuple(_acc.gaussian(float(sg)) for sg in sigmas)
+                runs = _append_run(runs, self._release_process(releases), int(count))
+        except (TypeError, ValueError, ConfigurationError, InputTypeError) as err:
+            raise CheckpointError(f"DPOptimizer state has invalid runs {saved_runs!r}: {err}") from err
+        if sum(count for _, count in runs) != steps:
+            raise CheckpointError(f"DPOptimizer state: runs {saved_runs!r} do not add up to steps={steps}.")
         self.optimizer.load_state_dict(state["optimizer"])
         self._key = key
-        self._steps = int(state["steps"])
+        self._steps = steps
+        self._runs = runs
+        self._draws_charged = int(state.get("draws_charged", 0))
+
+
+def _append_run(runs: tuple[tuple[Any, int], ...], process: Any, count: int) -> tuple[tuple[Any, int], ...]:
+    """``runs`` with ``count`` more steps of ``process`` (merged into the last run if equal)."""
+    if runs and runs[-1][0] == process:
+        return (*runs[:-1], (process, runs[-1][1] + count))
+    return (*runs, (process, count))
+
+
+def _runs_process(runs: tuple[tuple[Any, int], ...], step_process: Any) -> Any:
+    """The privacy process of ``runs``: ``p * k`` for one run (the plain DP-SGD history)."""
+    if not runs:
+        return step_process * 0
+    process = runs[0][0] * runs[0][1]
+    for proc, count in runs[1:]:
+        process = process | proc * count
+    return process
+
+
+def _release_sigmas(process: Any, base: Any) -> list[float]:
+    """The noise multipliers of the releases in a step process beyond the gradient query."""
+    if process == base:
+        return []
+    mechanism = process.mechanism
+    parts = mechanism.parts[1:] if isinstance(mechanism, _acc.Composed) else ()
+    return [float(p.noise_multiplier) for p in parts]

@@ -21,6 +21,8 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,9 +33,63 @@ from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int, check_probability
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 
-__all__ = ["PoissonSampler"]
+__all__ = ["PoissonSampler", "Draw", "DrawId", "draw_of", "draw_loader"]
 
 _STATE_VERSION = 1
+
+_SAMPLER_IDS = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class DrawId:
+    """The identity of one Poisson draw: which sampler handed it out, and when.
+
+    Attributes:
+        source: an id of the sampler object (unique within the process).
+        seq: 0-based hand-out number: the draw is the ``seq``-th the sampler handed out (over
+            all epochs and :meth:`PoissonSampler.batch_at` calls). ``DPOptimizer`` charges every
+            draw up to and including the one a step names.
+        epoch, step: where the draw sits in the sampler's reproducible stream.
+    """
+
+    source: int
+    seq: int
+    epoch: int
+    step: int
+
+
+class Draw(list):
+    """The indices of one Poisson draw (a ``list`` of ints, increasing) and its :class:`DrawId`.
+
+    A ``Draw`` is what :class:`PoissonSampler` yields; it is an ordinary list for a
+    ``DataLoader``, ``torch.as_tensor`` or ``len``, and compares equal to a list of the same
+    indices. ``draw.id`` tells ``DPOptimizer.step(..., draw=draw)`` which draw a step used, so
+    that several draws combined into one step are refused and skipped draws are charged.
+    """
+
+    __slots__ = ("id",)
+
+    def __init__(self, indices: list[int], draw_id: DrawId) -> None:
+        super().__init__(indices)
+        self.id = draw_id
+
+    def __reduce__(self):  # DataLoader workers receive the indices pickled
+        return (Draw, (list(self), self.id))
+
+
+def draw_of(value: Any) -> DrawId | None:
+    """The :class:`DrawId` of a :class:`Draw` or ``DrawId`` (``None`` for ``None``).
+
+    Raises:
+        InputTypeError: anything else.
+    """
+    if value is None or isinstance(value, DrawId):
+        return value
+    if isinstance(value, Draw):
+        return value.id
+    raise InputTypeError(
+        f"Expected a Draw yielded by a PoissonSampler (or its .id), got {type(value).__name__}."
+    )
 
 
 class PoissonSampler(Sampler[list[int]]):
@@ -52,6 +108,15 @@ class PoissonSampler(Sampler[list[int]]):
     smaller batches are unchanged). This changes the mechanism: the accountant must use the
     truncated-Poisson analysis, which is why the cap is exposed as ``truncated_batch_size``.
     ``expected_batch_size`` stays the untruncated ``q·N``, the normaliser DP-SGD divides by.
+
+    Draws: every batch is a :class:`Draw`, a list of indices that also carries its
+    :class:`DrawId` (the sampler and a hand-out number). ``DPOptimizer`` charges one Poisson step
+    per draw, so pass the draw a step used: ``optimizer.step(clipped, draw=idx)``. Without it the
+    optimizer charges the one draw handed out since its last step and refuses the step when
+    several were handed out (it cannot tell chunks of one draw from several draws). A
+    ``DataLoader`` with workers prefetches (hands out draws ahead of the step that uses them); use
+    :func:`draw_loader`, which yields ``(batch, draw_id)`` so the draw travels with its batch and
+    nothing is over-charged.
 
     Edge cases: q = 1 puts every index in every batch (no amplification); q = 0 gives only empty
     batches and then ``steps`` must be given explicitly.
@@ -122,6 +187,8 @@ class PoissonSampler(Sampler[list[int]]):
             steps = max(1, round(1.0 / self._sample_rate))
         self._steps = check_positive_int(steps, name="steps")
         self._epoch = 0
+        self._id = next(_SAMPLER_IDS)
+        self._handed_out = 0
 
     # -- read-only configuration --------------------------------------------------------------
 
@@ -160,6 +227,16 @@ class PoissonSampler(Sampler[list[int]]):
         """The epoch number the next ``iter()`` starts."""
         return self._epoch
 
+    @property
+    def draws_handed_out(self) -> int:
+        """How many draws this sampler has handed out so far (iteration and ``batch_at``).
+
+        ``DPOptimizer`` charges for draws, not for calls: a draw handed out and never stepped on
+        is charged at the next step that names a later draw (it may have been used to release
+        something), and several draws in one step are refused.
+        """
+        return self._handed_out
+
     # -- sampling -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
@@ -173,7 +250,13 @@ class PoissonSampler(Sampler[list[int]]):
     def _iterate(self, epoch: int) -> Iterator[list[int]]:
         epoch_key = oprandom.fold_in(self._key, epoch)
         for step in range(self._steps):
-            yield self._batch(epoch_key, step)
+            yield self._draw(epoch_key, step, epoch)
+
+    def _draw(self, epoch_key: oprandom.Key, step: int, epoch: int) -> Draw:
+        """Hand out batch ``step`` of ``epoch`` as the next :class:`Draw`."""
+        draw = Draw(self._batch(epoch_key, step), DrawId(self._id, self._handed_out, epoch, step))
+        self._handed_out += 1
+        return draw
 
     def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
         g = oprandom.generator_from_key(oprandom.fold_in(epoch_key, step))
@@ -185,8 +268,10 @@ class PoissonSampler(Sampler[list[int]]):
             idx = idx[keep.sort().values]
         return idx.tolist()
 
-    def batch_at(self, epoch: int, step: int) -> list[int]:
+    def batch_at(self, epoch: int, step: int) -> Draw:
         """The indices of batch ``step`` of epoch ``epoch``, without touching the epoch counter.
+
+        The result is handed out like any other draw (it counts in :attr:`draws_handed_out`).
 
         Raises:
             InputTypeError: a non-int argument.
@@ -196,7 +281,7 @@ class PoissonSampler(Sampler[list[int]]):
         step = check_nonnegative_int(step, name="step")
         if step >= self._steps:
             raise ConfigurationError(f"Expected step={step} < steps={self._steps}.")
-        return self._batch(oprandom.fold_in(self._key, epoch), step)
+        return self._draw(oprandom.fold_in(self._key, epoch), step, epoch)
 
     # -- checkpointing ------------------------------------------------------------------------
 
@@ -210,6 +295,7 @@ class PoissonSampler(Sampler[list[int]]):
             "sample_rate": self._sample_rate,
             "truncated_batch_size": self._truncated_batch_size,
             "steps": self._steps,
+            "draws_handed_out": self._handed_out,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -248,7 +334,11 @@ class PoissonSampler(Sampler[list[int]]):
         epoch = state["epoch"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise CheckpointError(f"Invalid epoch {epoch!r} in PoissonSampler state.")
+        handed_out = state.get("draws_handed_out", 0)
+        if isinstance(handed_out, bool) or not isinstance(handed_out, int) or handed_out < 0:
+            raise CheckpointError(f"Invalid draws_handed_out {handed_out!r} in PoissonSampler state.")
         self._epoch = epoch
+        self._handed_out = handed_out
 
     def __repr__(self) -> str:
         return (
@@ -256,3 +346,92 @@ class PoissonSampler(Sampler[list[int]]):
             f"truncated_batch_size={self._truncated_batch_size}, steps={self._steps}, "
             f"key={self._key!r})"
         )
+
+
+class _DrawItems(list):
+    """The items of one draw, as a dataset wrapper hands them to the collate function."""
+
+    __slots__ = ("draw_id",)
+
+    def __init__(self, items: list[Any], draw_id: DrawId | None) -> None:
+        super().__init__(items)
+        self.draw_id = draw_id
+
+
+class _DrawDataset(torch.utils.data.Dataset):
+    """Wraps a map-style dataset so that a batch fetch keeps the draw's identity."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: Any) -> _DrawItems:
+        # DataLoader calls this with the batch sampler's element (here a Draw, pickled to the
+        # worker with its id) and passes the result to collate_fn.
+        return _DrawItems([self.dataset[i] for i in indices], getattr(indices, "id", None))
+
+
+class _CollateWithDraw:
+    def __init__(self, collate_fn: Any) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: Any) -> tuple[Any, DrawId | None]:
+        return self.collate_fn(list(items)), getattr(items, "draw_id", None)
+
+
+def draw_loader(
+    dataset: Any, sampler: PoissonSampler, *, collate_fn: Any = None, **loader_kwargs: Any
+) -> torch.utils.data.DataLoader:
+    """A ``DataLoader`` over ``sampler``'s draws that yields ``(batch, draw_id)``.
+
+    How the draw travels: the loader is ``DataLoader(wrapped, batch_sampler=sampler,
+    collate_fn=wrapped_collate, **loader_kwargs)``. The batch sampler hands each :class:`Draw`
+    (indices and :class:`DrawId`) to the dataset wrapper's ``__getitems__`` (in a worker when
+    ``num_workers > 0``; the id is pickled with the indices), which passes the id on to the
+    collate wrapper, which returns ``(collate_fn(items), draw_id)``. Workers prefetch draws
+    before the steps that use them; because each batch names its own draw,
+    ``optimizer.step(clipped, draw=draw_id)`` charges exactly the draws up to that one and the
+    prefetched ones only when their steps come (or when a later draw is stepped on).
+
+    Args:
+        dataset: a map-style dataset of length ``sampler.dataset_size``.
+        sampler: the :class:`PoissonSampler` the optimizer reads q and N from.
+        collate_fn: collates a list of items; default ``empty_collate(default_collate)``
+            (Poisson batches can be empty).
+        **loader_kwargs: passed to ``DataLoader`` (``num_workers``, ``pin_memory``, ...); not
+            ``batch_size``, ``shuffle``, ``sampler`` or ``batch_sampler``.
+
+    Raises:
+        InputTypeError: ``sampler`` is not a :class:`PoissonSampler`.
+        ConfigurationError: a conflicting ``DataLoader`` argument.
+
+    Example::
+
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> from opake_compile import random as oprandom
+        >>> ds = TensorDataset(torch.randn(50, 3))
+        >>> sampler = PoissonSampler(50, 0.1, key=oprandom.key(0))
+        >>> (x,), draw_id = next(iter(draw_loader(ds, sampler)))
+        >>> draw_id.seq
+        0
+    """
+    if not isinstance(sampler, PoissonSampler):
+        raise InputTypeError(f"Expected a PoissonSampler, got {type(sampler).__name__}.")
+    clash = sorted({"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(loader_kwargs))
+    if clash:
+        raise ConfigurationError(f"draw_loader sets the batching itself; drop {clash}.")
+    if collate_fn is None:
+        from torch.utils.data import default_collate
+
+        from opake_compile.functional import empty_collate
+
+        collate_fn = empty_collate(default_collate)
+    return torch.utils.data.DataLoader(
+        _DrawDataset(dataset), batch_sampler=sampler, collate_fn=_CollateWithDraw(collate_fn), **loader_kwargs
+    )

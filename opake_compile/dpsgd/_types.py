@@ -44,6 +44,15 @@ class ClippedPytree(DPOutput):
         parameters: the tensors ``grads`` belong to, keyed like ``grads`` (set by
             ``compile_dp`` and by ``clipped_grad`` on a dict of parameters), so that
             ``DPOptimizer`` maps gradients to parameters without trusting an ordering.
+        releases: the *other* private releases computed from the same sample, as privacy
+            processes of one application with sensitivity-normalised noise (e.g.
+            ``(accounting.gaussian(count_noise_multiplier),)`` for the noisy count of
+            :func:`~opake_compile.dpsgd.clipping.adaptive_clipped_grad`). ``DPOptimizer``
+            charges them together with the gradient query on the same Poisson sample, and
+            refuses a release it cannot account for. Attach a private metric of your own with
+            ``dataclasses.replace(clipped, releases=clipped.releases + (acc.gaussian(s),))``.
+        draw: the :class:`~opake_compile.sampling.DrawId` of the Poisson draw the examples came
+            from, or ``None`` (unknown). ``accumulate`` refuses parts of different draws.
     """
 
     grads: Any
@@ -55,6 +64,8 @@ class ClippedPytree(DPOutput):
     aux: Any = None
     num_ranks: int = 1
     parameters: Mapping[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
+    releases: tuple[Any, ...] = ()
+    draw: Any = None
 
     @property
     def batch_size(self) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from opake_compile.accounting import (
     Accountant,
+    adaclip,
+    adaclip_noise_multipliers,
     calibrate,
     delta_budget,
     dpsgd_step_process,
@@ -23,6 +25,8 @@ from opake_compile.accounting import (
 
 __all__ = [
     "gaussian",
+    "adaclip",
+    "adaclip_noise_multipliers",
     "poisson",
     "eps_delta",
     "dpsgd_step_process",

@@ -22,6 +22,7 @@ empty batch                a zero sum of the right shapes; ``num_examples = 0``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -398,9 +399,13 @@ def adaptive_clipped_grad(
     ``(count + N(0, count_noise_multiplier^2)) / expected_batch_size``, the norm is updated
     geometrically: ``C <- C * exp(-learning_rate * (b - target_quantile))``.
 
-    Privacy: the noisy count is a second Gaussian query with sensitivity 1 per step; its
-    privacy cost (``count_noise_multiplier``) must be composed into the accounting.
-    ``count_noise_multiplier=0`` warns that the norm update is not private.
+    Privacy: the noisy count is a second Gaussian query on the same sample, with sensitivity 1
+    (the count is not centred) and noise std ``count_noise_multiplier``. Every result carries it
+    in ``ClippedPytree.releases`` (``(accounting.gaussian(count_noise_multiplier),)``), and
+    ``DPOptimizer`` charges each step as ``poisson(adaclip(sigma, count_noise_multiplier), q)``.
+    To spend the budget of plain DP-SGD with noise ``sigma_total``, take the gradient noise from
+    :func:`opake_compile.accounting.adaclip_noise_multipliers`.
+    ``count_noise_multiplier=0`` warns that the norm update is not private (epsilon = inf).
 
     Returns:
         ``(grad_fn, state)``; the returned state carries the updated C and advanced key.
@@ -421,6 +426,11 @@ def adaptive_clipped_grad(
     if count_noise_multiplier == 0:
         warnings.warn("count_noise_multiplier=0: the adaptive clipping norm is not private.", NotPrivateWarning, stacklevel=2)
     norm_by = _check_normalize_by(normalize_by)
+    from opake_compile import accounting as _acc
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)  # sigma_b = 0 was reported above
+        count_release = _acc.gaussian(count_noise_multiplier)
 
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
         cn = state.clipping_norm
@@ -434,6 +444,9 @@ def adaptive_clipped_grad(
         noisy = below + count_noise_multiplier * float(torch.randn((), generator=gen, dtype=torch.float64))
         frac = noisy / expected_batch_size
         new_c = cn * math.exp(-learning_rate * (frac - target_quantile))
+        # The noisy count is a second release from the same sample: the result says so, and
+        # DPOptimizer charges it with the gradient query (accounting.adaclip).
+        result = dataclasses.replace(result, releases=result.releases + (count_release,))
         return result, AdaptiveClipState(new_c, next_key)
 
     return grad_fn, AdaptiveClipState(c0, key)

@@ -1,0 +1,253 @@
+"""What ``DPOptimizer`` charges: every release of a step, and one Poisson step per draw.
+
+Two soundness bugs of the first optimizer (issue 13) are pinned here:
+
+* the noisy count of adaptive clipping was a free release (charged as the gradient query
+  alone);
+* several sampler draws combined into one ``step`` were charged as one step at rate q.
+
+Oracles: dp-accounting's own accountants fed the ``DpEvent`` that describes the mechanism
+actually run (two Gaussian queries on one Poisson sample; k Poisson steps), never numbers taken
+from the implementation under test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import dp_accounting
+import pytest
+import torch
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+from torch.utils.data import TensorDataset
+
+import opake_compile as opake
+from opake_compile import accounting as acc
+from opake_compile._validate import NotPrivateWarning
+from opake_compile.dpsgd.clipping import adaptive_clipped_grad, clipped_grad
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError, PrivacyBudgetExhaustedError
+from opake_compile.optim import DPOptimizer, accumulate
+from opake_compile.sampling import PoissonSampler, draw_loader
+
+DELTA = 1e-5
+
+
+def _data(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, generator=g), torch.randn(n, generator=g)
+
+
+def _loss(p, x, y):
+    return 0.5 * ((x @ p["w"] + p["b"] - y) ** 2).mean()
+
+
+def _params():
+    return {"w": torch.zeros(3, requires_grad=True), "b": torch.zeros((), requires_grad=True)}
+
+
+def _optimizer(params, sampler, sigma=1.0, **kw):
+    return DPOptimizer(
+        torch.optim.SGD(params.values(), lr=0.1), noise_multiplier=sigma, sampler=sampler, key=opake.random.key(7), **kw
+    )
+
+
+def _pld_direct(event, interval=1e-4):
+    a = PLDAccountant(value_discretization_interval=interval)
+    a.compose(event)
+    return a.get_epsilon(DELTA)
+
+
+def _rdp_direct(event):
+    a = RdpAccountant()
+    a.compose(event)
+    return a.get_epsilon(DELTA)
+
+
+# ------------------------------------------------------------------ adaptive clipping's count
+COARSE = 1e-3  # PLD grid of these tests: pessimistic at any grid, and several times faster
+
+
+def _adaptive_run(steps, *, sigma=1.0, sigma_b=0.8, q=0.1, n=100, accountant="coarse", budget=None):
+    if accountant == "coarse":
+        accountant = acc.Accountant("pld", value_discretization_interval=COARSE)
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, q, key=opake.random.key(0))
+    grad_fn, state = adaptive_clipped_grad(
+        _loss, 0, batch_argnums=(1, 2), initial_clipping_norm=1.0, key=opake.random.key(1),
+        expected_batch_size=q * n, count_noise_multiplier=sigma_b,
+    )
+    opt = _optimizer(params, sampler, sigma, accountant=accountant, budget=budget)
+    it = iter(sampler)
+    for _ in range(steps):
+        idx = next(it)
+        i = torch.as_tensor(idx, dtype=torch.long)
+        clipped, state = grad_fn(params, x[i], y[i], state=state)
+        opt.step(clipped)
+    return opt, grad_fn, state, params, it, (x, y)
+
+
+def test_adaptive_count_is_charged_pld():
+    opt, *_ = _adaptive_run(3)
+    sigma_eff = (1.0**-2 + 0.8**-2) ** -0.5  # two Gaussian queries, one sample (closed form)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(sigma_eff)), 3
+    )
+    assert opt.epsilon(DELTA) == pytest.approx(_pld_direct(event, COARSE), rel=1e-9)
+    gradient_only = _pld_direct(
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 3),
+        COARSE,
+    )
+    assert opt.epsilon(DELTA) > 1.5 * gradient_only
+
+
+def test_adaptive_count_is_charged_rdp_against_composed_events():
+    # dp-accounting's RDP accountant composes the two Gaussian events on one Poisson sample itself.
+    opt, *_ = _adaptive_run(4, accountant="rdp")
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(
+            0.1, dp_accounting.ComposedDpEvent([dp_accounting.GaussianDpEvent(1.0), dp_accounting.GaussianDpEvent(0.8)])
+        ),
+        4,
+    )
+    assert opt.epsilon(DELTA) == pytest.approx(_rdp_direct(event), rel=1e-9)
+
+
+def test_adaptive_budget_guard_counts_the_count():
+    per_step = acc.poisson(acc.adaclip(1.0, 0.8), 0.1, dataset_size=100)
+    coarse = acc.Accountant("pld", value_discretization_interval=COARSE)
+    budget = acc.epsilon_budget(coarse.epsilon(per_step * 3, DELTA) * 1.0001, DELTA)
+    opt, grad_fn, state, params, it, (x, y) = _adaptive_run(3, budget=budget)
+    idx = next(it)
+    i = torch.as_tensor(idx, dtype=torch.long)
+    clipped, _ = grad_fn(params, x[i], y[i], state=state)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        opt.step(clipped)
+    assert opt.steps == 3 and all(torch.equal(before[k], params[k]) for k in params)
+
+
+def test_release_that_cannot_be_accounted_is_refused():
+    n = 50
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, 0.2, key=opake.random.key(0))
+    opt = _optimizer(params, sampler)
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    clipped, _ = grad_fn(params, x[:5], y[:5], state=st)
+    with pytest.raises(ConfigurationError, match="cannot account"):
+        opt.step(dataclasses.replace(clipped, releases=(acc.eps_delta(1.0, 1e-6),)))
+    with pytest.raises(InputTypeError):
+        opt.step(dataclasses.replace(clipped, releases=(0.4,)))
+    assert opt.steps == 0
+    # A private metric of the user's own, attached to the result, is charged with the step.
+    opt.step(dataclasses.replace(clipped, releases=(acc.gaussian(2.0),)))
+    assert opt.process == acc.poisson(acc.gaussian(1.0) | acc.gaussian(2.0), 0.2, dataset_size=n) * 1
+
+
+def test_adaclip_checkpoint_keeps_the_charged_releases():
+    opt, *_ = _adaptive_run(2)
+    state = opt.state_dict()
+    params = _params()
+    fresh = _optimizer(
+        params, PoissonSampler(100, 0.1, key=opake.random.key(0)),
+        accountant=acc.Accountant("pld", value_discretization_interval=COARSE),
+    )
+    fresh.load_state_dict(state)
+    assert fresh.steps == 2
+    assert fresh.epsilon(DELTA) == pytest.approx(opt.epsilon(DELTA), rel=1e-12)
+    bad = dict(state, runs=[[[0.8], 5]])
+    with pytest.raises(CheckpointError):
+        fresh.load_state_dict(bad)
+
+
+# ------------------------------------------------------------------ several draws in one step
+def _four_draw_setup(n=400, q=0.05):
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, q, key=opake.random.key(3))
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+
+    def clip(idx):
+        i = torch.as_tensor(idx, dtype=torch.long)
+        return grad_fn(params, x[i], y[i], state=st)[0]
+
+    return params, sampler, clip
+
+
+def test_several_draws_in_one_step_are_refused():
+    params, sampler, clip = _four_draw_setup()
+    opt = _optimizer(params, sampler)
+    it = iter(sampler)
+    draws = [next(it) for _ in range(4)]
+    parts = [clip(d) for d in draws]
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ConfigurationError, match="draws"):
+        opt.step(parts)  # the issue's reproduction: was accepted and charged as one step
+    tagged = [dataclasses.replace(p, draw=d.id) for p, d in zip(parts, draws)]
+    with pytest.raises(ConfigurationError, match="different Poisson draws"):
+        opt.step(tagged)
+    with pytest.raises(ConfigurationError, match="different Poisson draws"):
+        accumulate(tagged)
+    with pytest.raises(ConfigurationError, match="names draw"):
+        opt.step(tagged[0], draw=draws[1])
+    assert opt.steps == 0 and all(torch.equal(before[k], params[k]) for k in params)
+
+
+def test_chunks_of_one_draw_are_one_step_and_skipped_draws_are_charged():
+    params, sampler, clip = _four_draw_setup()
+    opt = _optimizer(params, sampler)
+    it = iter(sampler)
+    first = next(it)
+    half = len(first) // 2
+    opt.step([clip(first[:half]), clip(first[half:])])  # physical chunks of one draw
+    assert opt.steps == 1
+    skipped = [next(it) for _ in range(2)]
+    used = next(it)
+    opt.step(clip(used), draw=used)  # the two skipped draws are charged now
+    assert opt.steps == 4
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.0)), 4)
+    assert opt.epsilon(DELTA) == pytest.approx(_pld_direct(event), rel=1e-9)
+    with pytest.raises(ConfigurationError, match="already charged"):
+        opt.step(clip(skipped[0]), draw=skipped[0])
+    other = PoissonSampler(400, 0.05, key=opake.random.key(3))
+    foreign = next(iter(other))
+    with pytest.raises(ConfigurationError, match="another sampler"):
+        opt.step(clip(foreign), draw=foreign)
+    assert opt.steps == 4
+
+
+def test_issue_reproduction_charges_at_least_the_true_epsilon():
+    # Five steps, each on four consecutive draws, done the supported way (one step per draw):
+    # 20 steps are charged, more than the lower bound 5 steps at q' = 1 - (1 - q)^4 would be
+    # for 5 steps at q (the old charge).
+    params, sampler, clip = _four_draw_setup()
+    opt = _optimizer(params, sampler)
+    it = iter(sampler)
+    for _ in range(20):
+        d = next(it)
+        opt.step(clip(d), draw=d)
+    assert opt.steps == 20
+    old_charge = (acc.poisson(acc.gaussian(1.0), 0.05) * 5).epsilon_at(DELTA)
+    assert opt.epsilon(DELTA) > old_charge
+
+
+def test_prefetching_dataloader_is_not_overcharged():
+    n = 60
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, 0.1, key=opake.random.key(5), steps=6)
+    opt = _optimizer(params, sampler)
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    loader = draw_loader(TensorDataset(x, y), sampler, num_workers=1, prefetch_factor=2)
+    ahead = 0
+    for (xb, yb), draw_id in loader:
+        clipped, _ = grad_fn(params, xb, yb, state=st)
+        opt.step(clipped, draw=draw_id)
+        assert opt.steps == draw_id.seq + 1
+        ahead = max(ahead, sampler.draws_handed_out - opt.steps)
+    assert ahead >= 1  # the loader did hand out draws before their steps
+    assert opt.steps == sampler.steps == 6

@@ -1,0 +1,66 @@
+"""``PoissonSampler`` draws: indices plus an identity that ``DPOptimizer`` charges per draw."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from opake_compile import random as oprandom
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
+from opake_compile.sampling import Draw, DrawId, PoissonSampler, draw_loader, draw_of
+
+
+def test_draws_are_lists_with_sequential_ids():
+    s = PoissonSampler(30, 0.2, key=oprandom.key(0), steps=3)
+    epoch0 = list(s)
+    assert all(isinstance(d, Draw) and isinstance(d, list) for d in epoch0)
+    assert [d.id.seq for d in epoch0] == [0, 1, 2]
+    assert [(d.id.epoch, d.id.step) for d in epoch0] == [(0, 0), (0, 1), (0, 2)]
+    assert s.draws_handed_out == 3
+    peek = s.batch_at(0, 1)  # handed out too: its indices were revealed
+    assert peek == epoch0[1] and list(peek) == list(epoch0[1]) and peek.id.seq == 3
+    epoch1 = list(s)
+    assert [d.id.seq for d in epoch1] == [4, 5, 6] and epoch1[0].id.epoch == 1
+    assert torch.as_tensor(epoch1[0], dtype=torch.long).tolist() == list(epoch1[0])
+    other = PoissonSampler(30, 0.2, key=oprandom.key(0), steps=3)
+    assert next(iter(other)).id.source != epoch0[0].id.source
+
+
+def test_draw_pickles_and_draw_of():
+    d = next(iter(PoissonSampler(30, 0.5, key=oprandom.key(1))))
+    back = pickle.loads(pickle.dumps(d))
+    assert back == d and back.id == d.id
+    assert draw_of(d) == d.id and draw_of(d.id) == d.id and draw_of(None) is None
+    with pytest.raises(InputTypeError):
+        draw_of([1, 2])
+    assert isinstance(d.id, DrawId)
+
+
+def test_state_dict_keeps_the_hand_out_counter():
+    s = PoissonSampler(30, 0.2, key=oprandom.key(2), steps=4)
+    list(s)
+    state = s.state_dict()
+    assert state["draws_handed_out"] == 4
+    t = PoissonSampler(30, 0.2, key=oprandom.key(2), steps=4)
+    t.load_state_dict(state)
+    assert t.draws_handed_out == 4 and next(iter(t)).id.seq == 4
+    with pytest.raises(CheckpointError):
+        t.load_state_dict(dict(state, draws_handed_out=-1))
+
+
+def test_draw_loader_yields_batches_with_their_draw():
+    x = torch.arange(40.0).reshape(20, 2)
+    s = PoissonSampler(20, 0.3, key=oprandom.key(3), steps=5)
+    expected = [s.batch_at(0, i) for i in range(5)]
+    s2 = PoissonSampler(20, 0.3, key=oprandom.key(3), steps=5)
+    got = list(draw_loader(TensorDataset(x), s2))
+    assert [d.seq for _, d in got] == [0, 1, 2, 3, 4]
+    for ((xb,), _), idx in zip(got, expected):
+        assert xb.shape == (len(idx), 2) and torch.equal(xb, x[torch.as_tensor(list(idx), dtype=torch.long)])
+    with pytest.raises(ConfigurationError):
+        draw_loader(TensorDataset(x), s2, batch_size=4)
+    with pytest.raises(InputTypeError):
+        draw_loader(TensorDataset(x), [[0, 1]])
