@@ -391,7 +391,7 @@ class DPOptimizer:
                     f"ClippedPytree.releases must hold privacy processes (accounting.gaussian(...)), "
                     f"got {type(r).__name__}; the optimizer refuses a release it cannot account for."
                 )
-        from opake_compile._accounting_process import _inverse_variance
+        from opake_compile.accounting._mechanisms import _inverse_variance
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", NotPrivateWarning)

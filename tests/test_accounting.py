@@ -367,7 +367,7 @@ def test_calibration_round_trip_pld():
     def steps(sigma):
         return acc.poisson(acc.gaussian(sigma), 0.05) * 50
 
-    result = acc.calibrate(budget, steps, 0.3, 10.0, tol=tol, accountant=PLD_FAST)
+    result = acc.calibrate(budget, steps, 0.3, 10.0, tol=tol, accountant=PLD_FAST, fast=False)
     sigma, other = result.bracket
     assert sigma == result.param and other is not None
     assert abs(other - sigma) <= tol * sigma  # documented tolerance on the parameter

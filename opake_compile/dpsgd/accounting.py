@@ -20,6 +20,7 @@ from opake_compile.accounting import (
     eps_delta,
     epsilon_budget,
     gaussian,
+    parallel_poisson,
     poisson,
 )
 
@@ -28,6 +29,7 @@ __all__ = [
     "adaclip",
     "adaclip_noise_multipliers",
     "poisson",
+    "parallel_poisson",
     "eps_delta",
     "dpsgd_step_process",
     "calibrate",

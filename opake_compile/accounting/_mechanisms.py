@@ -1,165 +1,42 @@
-"""Composable privacy processes: immutable descriptions of what touched the data.
+"""Layer 3: the DP-SGD mechanisms and their Poisson-family amplification.
 
-A process is a frozen, hashable value. ``p * k`` repeats ``p`` k times (adaptive composition),
-``a | b`` composes different parts, and :meth:`PrivacyProcess.to_dp_event` maps the value onto
-dp-accounting's ``DpEvent`` vocabulary, which is what every accountant consumes. Public names
-are re-exported from :mod:`opake_compile.accounting`.
+``gaussian`` (Abadi et al. 2016), ``adaclip`` (Andrew et al. 2021), ``poisson`` (plain or
+truncated Poisson subsampling) and ``parallel_poisson`` (Poisson subsampling within disjoint
+shards), each a process of the algebra in ``_process`` with an exact ``DpEvent``. Matrix
+factorisation mechanisms (DP-FTRL) will be a sibling module at this layer. Public names are
+re-exported from :mod:`opake_compile.accounting` and :mod:`opake_compile.dpsgd.accounting`.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from dp_accounting import dp_event
 
-from opake_compile._accounting_bridge import TRUNCATED_EVENT, EpsilonDeltaDpEvent, dp_accounting_version
-from opake_compile._validate import (
-    NotPrivateWarning,
-    _as_float,
-    check_noise_multiplier,
-    check_nonnegative_int,
-    check_positive_int,
-    check_probability,
+from opake_compile._validate import check_noise_multiplier, check_positive_int, check_probability
+from opake_compile.accounting._bridge import TRUNCATED_EVENT, dp_accounting_version
+from opake_compile.accounting._process import (
+    _NOOP,
+    Composed,
+    IdentityProcess,
+    PrivacyProcess,
+    Repeated,
 )
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
-if TYPE_CHECKING:
-    from opake_compile._accounting_accountant import Accountant
-
 __all__ = [
-    "PrivacyProcess",
     "GaussianMechanism",
     "AdaClipMechanism",
     "PoissonSampled",
-    "EpsDeltaMechanism",
-    "IdentityProcess",
-    "NonPrivateProcess",
-    "Repeated",
-    "Composed",
+    "ParallelPoissonSampled",
     "gaussian",
     "adaclip",
     "adaclip_noise_multipliers",
     "poisson",
-    "eps_delta",
-    "identity",
-    "nonprivate",
+    "parallel_poisson",
     "dpsgd_step_process",
 ]
-
-
-class PrivacyProcess:
-    """Base class of every privacy process (an immutable, hashable value).
-
-    Subclasses are frozen dataclasses; build them with :func:`gaussian`, :func:`poisson`,
-    :func:`eps_delta`, :func:`identity`, :func:`nonprivate` and the operators:
-
-    * ``p * k`` (or ``k * p``), ``k`` an int >= 0: ``p`` run ``k`` times, adaptively;
-      ``k = 0`` costs nothing.
-    * ``a | b``: ``a`` and ``b`` both run (in any order, adaptively).
-
-    Example::
-
-        >>> from opake_compile import accounting as acc
-        >>> step = acc.poisson(acc.gaussian(1.1), sample_rate=0.01)
-        >>> run = step * 1000 | acc.gaussian(20.0)      # training, then one noisy release
-        >>> round(run.epsilon_at(1e-5), 1)
-        1.5
-    """
-
-    __slots__ = ()
-
-    # --- operators -------------------------------------------------------------------------
-    def __mul__(self, count: Any) -> PrivacyProcess:
-        if isinstance(count, numbers.Real) and not isinstance(count, numbers.Integral):
-            raise InputTypeError(f"Expected an int repeat count, got {type(count).__name__} {count!r}.")
-        if isinstance(count, bool) or not isinstance(count, numbers.Integral):
-            return NotImplemented
-        count = check_nonnegative_int(count, name="count")
-        if isinstance(self, Repeated):  # (p * a) * b == p * (a * b)
-            return Repeated(self.process, self.count * count)
-        return Repeated(self, count)
-
-    __rmul__ = __mul__
-
-    def __or__(self, other: Any) -> PrivacyProcess:
-        if not isinstance(other, PrivacyProcess):
-            return NotImplemented
-        parts: list[PrivacyProcess] = []
-        for part in (self, other):
-            parts.extend(part.parts if isinstance(part, Composed) else (part,))
-        return Composed(tuple(parts))
-
-    # --- mapping onto dp-accounting --------------------------------------------------------
-    def to_dp_event(self) -> dp_event.DpEvent:
-        """The dp-accounting ``DpEvent`` describing this process.
-
-        The mapping is exact and simplifies where dp-accounting would otherwise do needless
-        (or numerically lossy) work: parts that cost nothing (``k = 0``, ``q = 0``,
-        :func:`identity`) become ``NoOpDpEvent``; Poisson sampling with ``q = 1`` is the bare
-        mechanism; a Poisson-sampled composition of Gaussians is one Gaussian with the
-        effective noise multiplier (Mironov et al. 2019, Section 3). A mechanism known only by
-        (epsilon, delta) maps to :class:`~opake_compile._accounting_bridge.EpsilonDeltaDpEvent`,
-        which dp-accounting's own accountants reject as unsupported.
-
-        Raises:
-            ConfigurationError: truncated Poisson sampling with a dp-accounting that has no
-                truncated event.
-        """
-        raise NotImplementedError  # pragma: no cover - every subclass overrides it
-
-    # --- queries ---------------------------------------------------------------------------
-    def epsilon_at(self, delta: float, *, accountant: str | Accountant = "pld") -> float:
-        """The epsilon (nats) this process spends at failure probability ``delta``.
-
-        Args:
-            delta: target delta in [0, 1].
-            accountant: ``"pld"`` (default: privacy loss distributions, Koskela et al. 2020,
-                Doroshenko et al. 2022; pessimistic, i.e. never below the true value),
-                ``"rdp"`` (Renyi DP, Mironov 2017; looser, faster) or an :class:`Accountant`.
-
-        Returns:
-            epsilon >= 0; ``math.inf`` when no finite epsilon reaches ``delta`` (for example
-            ``gaussian(0)`` or :func:`nonprivate`).
-
-        Raises:
-            ConfigurationError: ``delta`` outside [0, 1], or the accountant cannot account for a
-                part of the process (for example truncated Poisson sampling under RDP).
-        """
-        return _resolve(accountant).epsilon(self, delta)
-
-    def delta_at(self, epsilon: float, *, accountant: str | Accountant = "pld") -> float:
-        """The delta this process spends at privacy loss ``epsilon`` (nats).
-
-        Args:
-            epsilon: target epsilon, finite and >= 0.
-            accountant: as in :meth:`epsilon_at`.
-
-        Returns:
-            delta in [0, 1]; 1 for a non-private process.
-
-        Raises:
-            ConfigurationError: ``epsilon`` negative or not finite, or an unsupported part.
-        """
-        return _resolve(accountant).delta(self, epsilon)
-
-
-def _resolve(accountant: Any) -> Accountant:
-    from opake_compile._accounting_accountant import Accountant
-
-    if isinstance(accountant, Accountant):
-        return accountant
-    if isinstance(accountant, str):
-        return Accountant(accountant)
-    raise InputTypeError(
-        f"Expected accountant to be 'pld', 'rdp' or an Accountant, got {type(accountant).__name__}."
-    )
-
-
-_NOOP = dp_event.NoOpDpEvent()
 
 
 @dataclass(frozen=True, repr=False)
@@ -270,92 +147,6 @@ class PoissonSampled(PrivacyProcess):
             extra += f", dataset_size={self.dataset_size}"
         return f"poisson({self.mechanism!r}, sample_rate={self.sample_rate!r}{extra})"
 
-
-@dataclass(frozen=True, repr=False)
-class EpsDeltaMechanism(PrivacyProcess):
-    """A mechanism known only to satisfy (epsilon, delta)-DP (PLD accountant only).
-
-    Attributes:
-        epsilon: finite, >= 0 (nats).
-        delta: in [0, 1]; delta = 1 is no guarantee at all.
-    """
-
-    epsilon: float
-    delta: float
-
-    def to_dp_event(self) -> dp_event.DpEvent:
-        if self.delta >= 1:
-            return dp_event.NonPrivateDpEvent()
-        if self.epsilon == 0 and self.delta == 0:
-            return _NOOP
-        return EpsilonDeltaDpEvent(self.epsilon, self.delta)
-
-    def __repr__(self) -> str:
-        return f"eps_delta({self.epsilon!r}, {self.delta!r})"
-
-
-@dataclass(frozen=True, repr=False)
-class IdentityProcess(PrivacyProcess):
-    """A step that does not touch private data (costs nothing)."""
-
-    def to_dp_event(self) -> dp_event.DpEvent:
-        return _NOOP
-
-    def __repr__(self) -> str:
-        return "identity()"
-
-
-@dataclass(frozen=True, repr=False)
-class NonPrivateProcess(PrivacyProcess):
-    """A step with no privacy guarantee: epsilon = inf at every delta < 1."""
-
-    def to_dp_event(self) -> dp_event.DpEvent:
-        return dp_event.NonPrivateDpEvent()
-
-    def __repr__(self) -> str:
-        return "nonprivate()"
-
-
-@dataclass(frozen=True, repr=False)
-class Repeated(PrivacyProcess):
-    """``process`` run ``count`` times, adaptively (``process * count``)."""
-
-    process: PrivacyProcess
-    count: int
-
-    def to_dp_event(self) -> dp_event.DpEvent:
-        inner = self.process.to_dp_event()
-        if self.count == 0 or isinstance(inner, dp_event.NoOpDpEvent):
-            return _NOOP
-        if self.count == 1:
-            return inner
-        return dp_event.SelfComposedDpEvent(inner, self.count)
-
-    def __repr__(self) -> str:
-        inner = repr(self.process)
-        if isinstance(self.process, Composed):
-            inner = f"({inner})"
-        return f"{inner} * {self.count}"
-
-
-@dataclass(frozen=True, repr=False)
-class Composed(PrivacyProcess):
-    """Several processes run on the same data, adaptively (``a | b | ...``)."""
-
-    parts: tuple[PrivacyProcess, ...]
-
-    def to_dp_event(self) -> dp_event.DpEvent:
-        events = [e for e in (p.to_dp_event() for p in self.parts) if not isinstance(e, dp_event.NoOpDpEvent)]
-        if not events:
-            return _NOOP
-        if len(events) == 1:
-            return events[0]
-        return dp_event.ComposedDpEvent(events)
-
-    def __repr__(self) -> str:
-        return " | ".join(repr(p) for p in self.parts)
-
-
 def _inverse_variance(mechanism: PrivacyProcess) -> float:
     """sum of count / sigma^2 over a (nested) composition of Gaussians; inf if a sigma is 0.
 
@@ -379,9 +170,33 @@ def _inverse_variance(mechanism: PrivacyProcess) -> float:
         f"the same sample), got {mechanism!r}."
     )
 
+@dataclass(frozen=True, repr=False)
+class ParallelPoissonSampled(PrivacyProcess):
+    """``mechanism`` run on a Poisson sample of each of ``num_shards`` disjoint shards.
+
+    Accounted as one shard's ``poisson(mechanism, sample_rate)`` by parallel composition (see
+    :func:`parallel_poisson`).
+
+    Attributes:
+        mechanism: a Gaussian, or a composition of Gaussians run on the same sample.
+        sample_rate: q in [0, 1], within each shard.
+        num_shards: how many disjoint shards run in parallel (>= 1).
+    """
+
+    mechanism: PrivacyProcess
+    sample_rate: float
+    num_shards: int
+
+    def to_dp_event(self) -> dp_event.DpEvent:
+        # Parallel composition: one record is in exactly one shard, so only that shard's
+        # release depends on it; the others are independent of it (McSherry 2009, Thm. 4).
+        return PoissonSampled(self.mechanism, self.sample_rate).to_dp_event()
+
+    def __repr__(self) -> str:
+        return f"parallel_poisson({self.mechanism!r}, sample_rate={self.sample_rate!r}, num_shards={self.num_shards})"
+
 
 # --- constructors ----------------------------------------------------------------------------
-
 
 def gaussian(noise_multiplier: float) -> GaussianMechanism:
     """The Gaussian mechanism with noise std = ``noise_multiplier`` x L2 sensitivity.
@@ -502,9 +317,19 @@ def poisson(
     """``mechanism`` run on a Poisson sample (every record joins with probability ``sample_rate``).
 
     Privacy amplification by subsampling is accounted for by dp-accounting (PLD: Koskela et al.
-    2020, Zhu et al. 2022; RDP: Mironov et al. 2019). With ``truncated_batch_size`` the sample is
-    cut to at most that many records; dp-accounting 0.6 accounts for this with its truncated
-    event (arXiv:2508.15089) under PLD only; the RDP accountant refuses it.
+    2020, Zhu et al. 2022; RDP: Mironov et al. 2019), for the add-or-remove-one neighbouring
+    relation: a record's presence changes the sum by at most the sensitivity, and it is present
+    with probability q independently of everything else.
+
+    Truncated Poisson sampling (``truncated_batch_size=B``, with ``dataset_size=N``): a sample
+    of more than B records is replaced by a uniformly random subset of exactly B of them, as
+    :class:`~opake_compile.sampling.PoissonSampler` does. The analysis: a record's chance of
+    being released is then below q by an amount that depends on N and B, and the sampled batch
+    size is no longer independent of the other records, so the plain Poisson bound does not
+    apply as is; dp-accounting 0.6 builds the exact PLD of the truncated subsampled Gaussian
+    (its ``TruncatedSubsampledGaussianDpEvent``; the analysis is arXiv:2508.15089, "bounded"
+    Poisson sampling for DP-SGD with a memory cap). It is available under PLD only; the RDP
+    accountant refuses it (never accounted as untruncated).
 
     Edge cases: ``sample_rate = 0`` costs nothing; ``sample_rate = 1`` is the bare mechanism;
     ``truncated_batch_size >= dataset_size`` never truncates and is accounted as plain Poisson.
@@ -542,69 +367,39 @@ def poisson(
     _inverse_variance(mechanism)  # validates the mechanism now, not at query time
     return PoissonSampled(mechanism, q, truncated_batch_size, dataset_size)
 
+def parallel_poisson(mechanism: PrivacyProcess, sample_rate: float, num_shards: int) -> ParallelPoissonSampled:
+    """``mechanism`` run in parallel on a Poisson sample of each of ``num_shards`` disjoint shards.
 
-def eps_delta(epsilon: float, delta: float) -> EpsDeltaMechanism:
-    """A mechanism known only by its (epsilon, delta)-DP guarantee.
+    The setting: the records are split into disjoint shards by a fixed rule that does not
+    depend on the other records (a hash of a record id, or a pre-assigned shard), and each
+    shard draws its own Poisson sample at rate q and makes its own release (per-shard models,
+    PATE-style teachers, per-silo statistics). The releases are *not* summed into one query
+    (summing per-shard Poisson samples is plain :func:`poisson` at rate q over the union).
 
-    Composed with the PLD accountant through the worst-case PLD of any (epsilon, delta)-DP
-    mechanism (dp-accounting's ``from_privacy_parameters``), i.e. optimal composition
-    (Kairouz et al. 2015). The RDP accountant cannot compose it and raises ConfigurationError.
+    The analysis is parallel composition (McSherry 2009, "Privacy Integrated Queries", Thm. 4):
+    adding or removing one record changes only the shard that holds it, so the whole step is
+    exactly as private as one shard's ``poisson(mechanism, q)``, whatever ``num_shards`` is.
+    This holds for the add-or-remove-one relation with a data-independent shard rule; if the
+    rule depends on positions in the dataset (round-robin over a list), one record can move
+    others between shards and this accounting does not apply. Repeat with ``* steps``.
 
     Args:
-        epsilon: finite, >= 0 (nats).
-        delta: in [0, 1].
+        mechanism: a :func:`gaussian`, or a composition of Gaussians run on the same sample.
+        sample_rate: q in [0, 1], the Poisson rate within each shard.
+        num_shards: the number of disjoint shards (int >= 1).
 
     Raises:
-        InputTypeError: not real numbers.
-        ConfigurationError: out of range.
-
-    Warns:
-        NotPrivateWarning: ``delta == 1`` (no guarantee).
+        InputTypeError, ConfigurationError: as :func:`poisson`; ``num_shards < 1``.
 
     Example::
 
         >>> from opake_compile import accounting as acc
-        >>> acc.eps_delta(1.0, 0.0) * 2 | acc.identity()
-        eps_delta(1.0, 0.0) * 2 | identity()
+        >>> shards = acc.parallel_poisson(acc.gaussian(1.0), 0.01, num_shards=8) * 1000
+        >>> shards.epsilon_at(1e-5) == (acc.poisson(acc.gaussian(1.0), 0.01) * 1000).epsilon_at(1e-5)
+        True
     """
-    eps = _as_float("epsilon", epsilon)
-    if not (math.isfinite(eps) and eps >= 0):
-        raise ConfigurationError(f"Expected epsilon={eps!r} to be finite and >= 0.")
-    d = check_probability(delta, name="delta")
-    if d == 1:
-        warnings.warn("eps_delta(..., delta=1) gives no privacy guarantee.", NotPrivateWarning, stacklevel=2)
-    return EpsDeltaMechanism(eps, d)
-
-
-def identity() -> IdentityProcess:
-    """A process that costs nothing (a step that touches no private data).
-
-    Example::
-
-        >>> from opake_compile import accounting as acc
-        >>> acc.identity().epsilon_at(1e-5)
-        0.0
-    """
-    return IdentityProcess()
-
-
-def nonprivate() -> NonPrivateProcess:
-    """A process with no privacy guarantee (epsilon = inf, delta = 1).
-
-    Warns:
-        NotPrivateWarning: always; composing it makes the whole process non-private.
-
-    Example::
-
-        >>> import warnings
-        >>> from opake_compile import accounting as acc
-        >>> with warnings.catch_warnings():
-        ...     warnings.simplefilter("ignore")
-        ...     acc.nonprivate().epsilon_at(1e-5)
-        inf
-    """
-    warnings.warn("nonprivate(): this process has no privacy guarantee.", NotPrivateWarning, stacklevel=2)
-    return NonPrivateProcess()
+    sampled = poisson(mechanism, sample_rate)
+    return ParallelPoissonSampled(sampled.mechanism, sampled.sample_rate, check_positive_int(num_shards, name="num_shards"))
 
 
 def dpsgd_step_process(

@@ -1,4 +1,4 @@
-"""The bridge from opake_compile's privacy processes to Google's ``dp-accounting``.
+"""Layer 0: the bridge from opake_compile's privacy processes to Google's ``dp-accounting``.
 
 Everything numerical happens inside dp-accounting (PLD: Koskela et al. 2020, Doroshenko et al.
 2022; RDP: Mironov 2017). This module only
@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attr
+import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import pld_privacy_accountant
@@ -40,6 +41,7 @@ __all__ = [
     "validate_options",
     "make_dp_accountant",
     "compose",
+    "privacy_profile",
 ]
 
 #: Accounting methods understood by :func:`make_dp_accountant`, with their options and defaults.
@@ -283,3 +285,18 @@ def compose(
             f"process: {err}"
         ) from err
     return accountant  # pragma: no cover - supports() and compose() disagree
+
+
+def privacy_profile(accountant: PrivacyAccountant) -> Callable[[np.ndarray], np.ndarray]:
+    """The privacy profile eps -> delta(eps) of a composed accountant, vectorised over eps >= 0.
+
+    PLD: dp-accounting's own ``get_delta_for_epsilon`` on the composed (pessimistic) PLD, which
+    takes an array. RDP: its ``get_delta`` per eps (an upper bound). A non-private part gives
+    delta = 1 everywhere.
+    """
+    if getattr(accountant, "_contains_non_dp_event", False):
+        return lambda eps: np.ones(np.shape(eps))
+    if isinstance(accountant, _PLDAccountant):
+        pld = accountant._pld
+        return lambda eps: np.asarray(pld.get_delta_for_epsilon(np.asarray(eps, dtype=np.float64)), dtype=np.float64)
+    return lambda eps: np.array([accountant.get_delta(float(e)) for e in np.atleast_1d(eps)], dtype=np.float64)

@@ -12,7 +12,23 @@ dp-accounting ``DpEvent`` s (``.to_dp_event()``) and run one of its accountants:
 * ``"rdp"``: Renyi differential privacy (Mironov 2017; Mironov et al. 2019 for the subsampled
   Gaussian; it generalises the moments accountant of Abadi et al. 2016). Faster, looser.
 
-Epsilon is in nats throughout. No PLD or RDP arithmetic is implemented here.
+f-DP views (Dong, Roth and Su 2022) of every process: ``.beta_at(alpha)`` (the trade-off
+curve), ``.advantage()`` (max TPR - FPR) and ``.risk_at(prior)`` (the smallest Bayes error of a
+membership test), derived from the privacy profile the accountant computes, with budgets
+``advantage_budget``, ``beta_budget`` and ``risk_budget`` for :func:`calibrate`.
+
+Epsilon is in nats throughout. No PLD or RDP arithmetic is implemented here. Results are
+:class:`PrivacyValue` floats (they format and compare as plain numbers).
+
+Layout (each layer imports only the ones above it, so there are no cycles):
+
+* ``_bridge``: the bridge to dp-accounting (events it lacks, the PLD memo, privacy profiles);
+* ``_fdp``: f-DP views of a privacy profile; ``_budgets``: privacy budgets;
+* ``_accountant``: :class:`Accountant` (PLD or RDP), answering every query on a ``DpEvent``;
+* ``_process``: the process algebra (``*``, ``|``, queries) and generic mechanisms;
+* ``_mechanisms``: DP-SGD mechanisms and Poisson-family amplification; matrix-factorisation
+  (DP-FTRL) accounting will be a sibling module at this layer;
+* ``_calibration``: :func:`calibrate`.
 
 Edge cases: ``sample_rate = 0`` or ``k = 0`` gives epsilon = 0; ``sample_rate = 1`` equals the
 bare Gaussian; ``noise_multiplier = 0`` gives epsilon = inf (and warns ``NotPrivateWarning``);
@@ -39,33 +55,43 @@ Example::
 
 from __future__ import annotations
 
-from opake_compile._accounting_accountant import (
-    Accountant,
+from opake_compile.accounting._accountant import Accountant, PrivacyValue
+from opake_compile.accounting._budgets import (
+    AdvantageBudget,
+    BetaBudget,
     DeltaBudget,
     EpsilonBudget,
     PrivacyBudget,
+    RiskBudget,
+    advantage_budget,
+    beta_budget,
     delta_budget,
     epsilon_budget,
+    risk_budget,
 )
-from opake_compile._accounting_calibration import CalibrationResult, calibrate
-from opake_compile._accounting_process import (
+from opake_compile.accounting._calibration import CalibrationResult, calibrate
+from opake_compile.accounting._mechanisms import (
     AdaClipMechanism,
-    Composed,
-    EpsDeltaMechanism,
     GaussianMechanism,
-    IdentityProcess,
-    NonPrivateProcess,
+    ParallelPoissonSampled,
     PoissonSampled,
-    PrivacyProcess,
-    Repeated,
     adaclip,
     adaclip_noise_multipliers,
     dpsgd_step_process,
-    eps_delta,
     gaussian,
+    parallel_poisson,
+    poisson,
+)
+from opake_compile.accounting._process import (
+    Composed,
+    EpsDeltaMechanism,
+    IdentityProcess,
+    NonPrivateProcess,
+    PrivacyProcess,
+    Repeated,
+    eps_delta,
     identity,
     nonprivate,
-    poisson,
 )
 
 __all__ = [
@@ -74,6 +100,7 @@ __all__ = [
     "adaclip",
     "adaclip_noise_multipliers",
     "poisson",
+    "parallel_poisson",
     "eps_delta",
     "identity",
     "nonprivate",
@@ -82,6 +109,7 @@ __all__ = [
     "GaussianMechanism",
     "AdaClipMechanism",
     "PoissonSampled",
+    "ParallelPoissonSampled",
     "EpsDeltaMechanism",
     "IdentityProcess",
     "NonPrivateProcess",
@@ -90,10 +118,17 @@ __all__ = [
     # budgets and accountants
     "epsilon_budget",
     "delta_budget",
+    "advantage_budget",
+    "beta_budget",
+    "risk_budget",
     "PrivacyBudget",
     "EpsilonBudget",
     "DeltaBudget",
+    "AdvantageBudget",
+    "BetaBudget",
+    "RiskBudget",
     "Accountant",
+    "PrivacyValue",
     # calibration
     "calibrate",
     "CalibrationResult",
