@@ -69,7 +69,7 @@ from opake_compile.accounting._budgets import (
     epsilon_budget,
     risk_budget,
 )
-from opake_compile.accounting._calibration import CalibrationResult, calibrate
+from opake_compile.accounting._calibration import CalibrationRangeWarning, CalibrationResult, calibrate
 from opake_compile.accounting._mechanisms import (
     AdaClipMechanism,
     GaussianMechanism,
@@ -132,4 +132,5 @@ __all__ = [
     # calibration
     "calibrate",
     "CalibrationResult",
+    "CalibrationRangeWarning",
 ]

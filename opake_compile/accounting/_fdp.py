@@ -26,7 +26,7 @@ __all__ = ["advantage_from_profile", "beta_from_profile", "risk_from_profile", "
 #: delta(eps) for an array of eps >= 0, as an array of the same shape.
 DeltaProfile = Callable[[np.ndarray], np.ndarray]
 
-_GRID = 256  # eps grid of the trade-off supremum, before the local refinement
+_GRID = 48  # eps grid of the trade-off supremum, before the local refinement
 
 
 def advantage_from_profile(profile: DeltaProfile) -> float:
