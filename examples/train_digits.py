@@ -522,7 +522,7 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         for idx in bar:  # indexing the tensors directly; an empty batch is a pure-noise step
             idx_t = torch.as_tensor(idx, dtype=torch.int64)
             out = step(data.x_train[idx_t], data.y_train[idx_t])
-            optimizer.step(out.clipped)
+            optimizer.step(out.clipped, draw=idx)  # charged per Poisson draw
             if len(idx):
                 loss_sum += float(out.loss) * len(idx)
                 seen += len(idx)

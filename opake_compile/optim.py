@@ -415,7 +415,11 @@ class DPOptimizer:
 
     def _check_budget(self, runs: tuple[tuple[Any, int], ...], step_process: Any, charge: int) -> None:
         if len(runs) == 1:  # the common case: one kind of step, answered from a cached search
-            allowed = self.accountant.max_steps(step_process, self.budget)
+            # A coarser PLD grid (pessimistic too, so sound) decides cheaply while far from the
+            # end; the exact count of the optimizer's own accountant decides near it.
+            allowed = self.accountant.max_steps(step_process, self.budget, exact=False)
+            if runs[0][1] > 0.95 * allowed:
+                allowed = self.accountant.max_steps(step_process, self.budget)
             ok = runs[0][1] <= allowed
             detail = f"it allows {allowed} step(s) of {step_process!r}"
         else:

@@ -36,7 +36,8 @@ def test_fast_sigma_is_within_one_percent_above_the_fine_answer(eps, q, k):
     budget = acc.epsilon_budget(eps, 1e-5)
     fast = acc.calibrate(budget, _steps(q, k), 0.2, 20.0, accountant=FINE)
     slow = acc.calibrate(budget, _steps(q, k), 0.2, 20.0, accountant=FINE, fast=False)
-    assert fast.accountant == repr(acc.Accountant("pld", value_discretization_interval=coarse_interval(budget)))
+    grid = float(fast.accountant.split("=")[-1].rstrip(")"))
+    assert 1e-3 <= grid <= coarse_interval(budget)  # the coarse grid, or a refinement of it
     # never less private than the fine-grid answer (up to the bisection tolerance), within 1 %
     assert slow.param * (1 - 2e-3) <= fast.param <= slow.param * 1.01
     # and it meets the budget under dp-accounting's own accountant at the fine grid

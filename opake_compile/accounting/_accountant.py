@@ -193,17 +193,23 @@ class Accountant:
         prior = check_probability(prior, name="prior")
         return self._value(risk_from_profile(self._profile(process), prior), "risk")
 
-    def max_steps(self, step_process: Any, budget: PrivacyBudget, *, limit: int = 10**7) -> int:
+    def max_steps(self, step_process: Any, budget: PrivacyBudget, *, limit: int = 10**7, exact: bool = True) -> int:
         """The largest k <= ``limit`` such that ``step_process * k`` stays within ``budget``.
 
-        Exponential bracketing (k = 1, 2, 4, ...) then bisection, so about 2 log2(k) queries;
-        results are cached per (step_process, budget, limit) on this accountant. Assumes the
-        spent privacy is non-decreasing in k (true for composition).
+        PLD: the answer of a coarser grid (:func:`coarse_interval`; cheap queries) is the
+        starting point, then a secant/bisection search (:func:`last_fitting`) settles the exact
+        boundary with this accountant's own queries, a handful of them. Without a PLD starting
+        point, exponential bracketing then bisection (about 2 log2(k) queries). Results are
+        cached per (step_process, budget, limit, exact) on this accountant. Assumes the spent
+        privacy is non-decreasing in k (true for composition).
 
         Args:
             step_process: the process of one step (for DP-SGD :func:`dpsgd_step_process`).
-            budget: from :func:`epsilon_budget` or :func:`delta_budget`.
+            budget: from :func:`epsilon_budget`, :func:`delta_budget` or an f-DP budget.
             limit: the largest k considered (int >= 0).
+            exact: ``False`` answers with the coarser PLD grid alone: still sound (every PLD
+                grid is pessimistic) and typically a few percent below the exact count, at a
+                fraction of the cost (``DPOptimizer`` guards with it until it nears the end).
 
         Returns:
             0 when a single step already exceeds the budget; ``limit`` when ``limit`` steps fit.
@@ -218,10 +224,27 @@ class Accountant:
                 f"{type(budget).__name__}."
             )
         limit = check_nonnegative_int(limit, name="limit")
+        if not isinstance(exact, bool):
+            raise InputTypeError(f"Expected exact to be a bool, got {type(exact).__name__}.")
+        coarse = self._coarse(budget)
+        if not exact and coarse is not None:
+            return coarse.max_steps(step_process, budget, limit=limit)
         key = (step_process, budget, limit)
         if key not in self._max_steps_cache:
             self._max_steps_cache[key] = self._search_max_steps(step_process, budget, limit)
         return self._max_steps_cache[key]
+
+    def _coarse(self, budget: PrivacyBudget) -> Accountant | None:
+        """The coarser PLD accountant for ``budget`` (kept, with its caches), or None."""
+        if self._method != "pld":
+            return None
+        interval = coarse_interval(budget)
+        if not interval > self._options["value_discretization_interval"]:
+            return None
+        companions = self.__dict__.setdefault("_companions", {})
+        if interval not in companions:
+            companions[interval] = Accountant("pld", value_discretization_interval=interval)
+        return companions[interval]
 
     def _search_max_steps(self, step: Any, budget: PrivacyBudget, limit: int) -> int:
         def excess(k: int) -> float:  # <= 0: k steps fit
@@ -233,16 +256,13 @@ class Accountant:
         """A cheap first guess for the search (only a guess: the answer is decided by this
         accountant's own queries near it). PLD: the answer of a coarser PLD grid (itself
         started from RDP); 0 when no cheaper accountant can account for the process."""
-        if self._method != "pld":
+        coarse = self._coarse(budget)
+        if coarse is None:  # RDP, or already a coarse grid: queries are cheap, no hint needed
             return 0
-        coarse = coarse_interval(budget)
         try:
-            if coarse > self._options["value_discretization_interval"]:
-                return Accountant("pld", value_discretization_interval=coarse).max_steps(step, budget, limit=limit)
-            # At the coarse grid itself queries are cheap (tens of ms): no RDP hint needed.
-        except ConfigurationError:
-            pass
-        return 0
+            return coarse.max_steps(step, budget, limit=limit)
+        except ConfigurationError:  # pragma: no cover - the coarse grid supports what this one does
+            return 0
 
 
 def coarse_interval(budget: PrivacyBudget) -> float:
