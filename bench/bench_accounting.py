@@ -76,7 +76,7 @@ def calibration_table(cases, verify):
             result = acc.calibrate(acc.epsilon_budget(eps, DELTA), _process(q, steps), *RANGE)
         dt = time.perf_counter() - t0
         worst = max(worst, dt)
-        grid = result.accountant.split("=")[-1].rstrip(")")
+        grid = f'{float(result.accountant.split("=")[-1].rstrip(")")):.2g}'
         check = ""
         if verify:
             at = fine.epsilon(_process(q, steps)(result.param), DELTA)
@@ -144,6 +144,7 @@ def main(argv=None):
     p.add_argument("--before", action="store_true", help="also time the pre-issue calibration on the issue's case")
     args = p.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message="Optimal order is the")  # Opacus's RDP order notes
     print(f"# {platform.platform()}, {os.cpu_count()} CPUs, torch {torch.__version__}, python {platform.python_version()}")
     if args.quick:
         cases = [(3.0, 0.004, 1000), (50.0, 0.04, 1000), (1.0, 0.04, 10000)]
