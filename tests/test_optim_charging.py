@@ -236,18 +236,30 @@ def test_issue_reproduction_charges_at_least_the_true_epsilon():
 
 
 def test_prefetching_dataloader_is_not_overcharged():
+    # A loader that runs ahead of the steps (as DataLoader workers do, prefetch_factor batches
+    # each), emulated in-process: worker processes after JAX was imported elsewhere in the suite
+    # would fork a multithreaded process. The draw travels with its batch, so each step charges
+    # exactly up to its own draw, never the prefetched ones.
     n = 60
     x, y = _data(n)
     params = _params()
     sampler = PoissonSampler(n, 0.1, key=opake.random.key(5), steps=6)
     opt = _optimizer(params, sampler)
     grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
-    loader = draw_loader(TensorDataset(x, y), sampler, num_workers=1, prefetch_factor=2)
+    it = iter(draw_loader(TensorDataset(x, y), sampler))
+    queue = [next(it) for _ in range(3)]  # three batches in flight before the first step
     ahead = 0
-    for (xb, yb), draw_id in loader:
+    while queue:
+        (xb, yb), draw_id = queue.pop(0)
         clipped, _ = grad_fn(params, xb, yb, state=st)
+        if sampler.draws_handed_out - opt.steps > 1:
+            with pytest.raises(ConfigurationError, match="handed out"):
+                opt.step(clipped)  # without the draw it cannot tell: refused, not over-charged
+        ahead = max(ahead, sampler.draws_handed_out - opt.steps)
         opt.step(clipped, draw=draw_id)
         assert opt.steps == draw_id.seq + 1
-        ahead = max(ahead, sampler.draws_handed_out - opt.steps)
-    assert ahead >= 1  # the loader did hand out draws before their steps
-    assert opt.steps == sampler.steps == 6
+        following = next(it, None)
+        if following is not None:
+            queue.append(following)
+    assert ahead == 3  # the loader was three draws ahead of each step
+    assert opt.steps == sampler.steps == sampler.draws_handed_out == 6
