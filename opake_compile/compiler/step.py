@@ -24,6 +24,7 @@ from opake_compile._markers import reject_dp_output
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
+from opake_compile.compiler.passes import numerics as _num
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import ConfigurationError, InputTypeError
@@ -39,7 +40,8 @@ class DPStepResult:
         loss: **not privatised.** 0-d tensor: the mean per-example loss over the real examples
             (NaN for an empty batch). For a mean-reduced batch loss this is the batch loss.
         clipped: the :class:`ClippedPytree` (unnormalised sum of clipped per-example gradients
-            of the trainable parameters, keyed like ``named_parameters()``).
+            of the trainable parameters, keyed like ``named_parameters()``), in float32 for
+            float32 and lower-precision parameters, float64 for float64 ones.
         coverage: parameter name -> the path its per-example gradient took
             (``"materialized"`` or a rewrite rule such as ``"ghost:linear"``).
     """
@@ -313,7 +315,11 @@ class DPStep:
     def _empty_result(self, params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> DPStepResult:
         device = params[trainable[0]].device
         clipped = ClippedPytree(
-            grads={k: torch.zeros_like(params[k], memory_format=torch.contiguous_format).detach() for k in trainable},
+            # Released sums are float32 at least (compiler/passes/numerics.py), empty or not.
+            grads={
+                k: torch.zeros(params[k].shape, dtype=_num.sum_dtype(params[k].dtype), device=device)
+                for k in trainable
+            },
             clipping_norm=self.clipping_norm,
             per_example_norms=torch.zeros(
                 0,
