@@ -99,15 +99,12 @@ def _roc_hull(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray
 # ----------------------------------------------------------------------------- the searches
 def _gdp_mu_ceiling(m: int, n_in: int, tau: float) -> float:
     """The largest mu the audit can certify: every included canary scored above every excluded
-    one, so the largest guess budget k <= n_in gets all k right. No outcome does better."""
-    ks = guess_counts(m)
-    below, above = ks[ks <= n_in], ks[ks > n_in]
-    best = 0.0
-    for k in [*below[-1:], *above[:1]]:  # the rules on either side of n_in
-        k, c = int(k), min(int(k), n_in)
-        if _stats.gdp_rejected(0.0, m, k, c, tau):
-            best = max(best, _stats.largest_rejected(lambda mu: _stats.gdp_rejected(mu, m, k, c, tau), 0.0, rtol=1e-9))
-    return best
+    one and a rule guessed exactly the n_in included ones (k = c = n_in; a rule does so when
+    the cut falls between the two groups, e.g. when the scores are tied within each group).
+    No outcome does better: a rule's k correct guesses never exceed n_in."""
+    if n_in == 0 or not _stats.gdp_rejected(0.0, m, n_in, n_in, tau):
+        return 0.0
+    return _stats.largest_rejected(lambda mu: _stats.gdp_rejected(mu, m, n_in, n_in, tau), 0.0, rtol=1e-9)
 
 
 def _gdp_search(cand: _Candidates, m: int, tau: float, mu_max: float, grid_size: int) -> tuple[float, float | None]:
