@@ -27,7 +27,7 @@ Example::
     True
 """
 
-from opake_compile.auditing._one_run import OneRunEstimate, one_run
+from opake_compile.auditing._one_run import OneRunEstimate, guess_counts, one_run
 from opake_compile.auditing._record import CanaryRecord, coin_flip
 from opake_compile.auditing._scores import gradient_scores, loss_scores
 
@@ -38,4 +38,5 @@ __all__ = [
     "gradient_scores",
     "one_run",
     "OneRunEstimate",
+    "guess_counts",
 ]
