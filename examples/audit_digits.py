@@ -4,10 +4,12 @@ The same job as ``train_digits.py`` (a small CNN on scikit-learn's 8x8 digits, D
 calibrated to epsilon = 3), with a one-run privacy audit (``opake.auditing``; Steinke, Nasr &
 Jagielski 2023; Mahloujifar, Melis & Chaudhuri 2024):
 
-1. **Canaries**: m *out-of-distribution* inputs -- images of i.i.d. uniform noise pixels in
-   [0, 1] (the digits' scaled range), each with a uniformly random label. They are drawn from
-   a key of their own (public randomness, nothing about the private data) and are easy for a
-   model to memorise, hard to fit by generalising: a good probe of memorisation.
+1. **Canaries** (default ``--canary-kind noise``): m *out-of-distribution* inputs -- images of
+   i.i.d. uniform noise pixels in [0, 1] (the digits' scaled range), each with a uniformly
+   random label, drawn from a key of their own (public randomness, nothing about the private
+   data), added to the training data. Easy to memorise, impossible to fit by generalising.
+   ``--canary-kind mislabelled`` takes m digits out of the training split instead and gives
+   each a wrong label (memorised less in this run: see README's auditing section).
 2. ``auditing.coin_flip(m, key)`` decides which canaries join the training data (fair coins);
    the training set is the digits' training split plus the included canaries.
 3. **Two runs** on that same training set, from the same initial weights:
@@ -19,9 +21,11 @@ Jagielski 2023; Mahloujifar, Melis & Chaudhuri 2024):
      ``NotPrivateWarning`` for each (printed below), and its accountant reports epsilon = inf.
      This is the "broken pipeline" the audit has to catch.
 
-4. **Scores** (black-box by default): ``auditing.loss_scores`` = minus each canary's loss under
+4. **Scores**, black-box by default: ``auditing.loss_scores`` = minus each canary's loss under
    the trained model; ``--scores gradient`` uses ``auditing.gradient_scores`` (cosine of the
-   canary's gradient at theta_0 with theta_T - theta_0; this script keeps theta_0).
+   canary's gradient at theta_0 with theta_T - theta_0; this script keeps theta_0). Pick the
+   score before looking at the results: trying several and reporting the best would need a
+   split of the confidence level.
 5. ``auditing.one_run(scores, record)`` -> lower bounds at 95 % confidence, printed next to the
    accountant's epsilon (an upper bound) and next to the *ceiling*: the largest epsilon m
    canaries can certify at all (every included canary scored above every excluded one).
@@ -77,6 +81,7 @@ class AuditConfig:
     lr: float = td.DEFAULT_LR["adam"]
     canaries: int = 1000
     scores: str = "loss"
+    canary_kind: str = "noise"
     confidence: float = 0.95
     seed: int = 0
     backend: str = "inductor"
@@ -97,7 +102,19 @@ def parse_args(argv: Sequence[str] | None = None) -> AuditConfig:
     p.add_argument("--clipping-norm", type=float, default=d.clipping_norm, help="C of the DP run (default %(default)s)")
     p.add_argument("--lr", type=float, default=d.lr, help="Adam learning rate of both runs (default %(default)s)")
     p.add_argument("--canaries", type=int, default=d.canaries, help="m, the number of canaries (default %(default)s)")
-    p.add_argument("--scores", choices=("loss", "gradient"), default=d.scores, help="black-box loss or white-box gradient scores")
+    p.add_argument(
+        "--scores",
+        choices=("loss", "gradient"),
+        default=d.scores,
+        help="black-box loss scores (default) or white-box gradient scores",
+    )
+    p.add_argument(
+        "--canary-kind",
+        choices=("noise", "mislabelled"),
+        default=d.canary_kind,
+        help="noise: out-of-distribution noise images with random labels (added to the data); mislabelled: "
+        "m digits taken out of the training split, each given a wrong label (default %(default)s)",
+    )
     p.add_argument("--confidence", type=float, default=d.confidence, help="confidence of the lower bounds (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed, help="root seed (default %(default)s)")
     p.add_argument("--backend", default=d.backend, help="torch.compile backend (default %(default)s)")
@@ -119,6 +136,22 @@ def make_canaries(m: int, key: opake.random.Key, input_shape: tuple[int, ...], n
     x = torch.rand((m, *input_shape), generator=gen)
     y = torch.randint(0, num_classes, (m,), generator=gen)
     return x, y
+
+
+def make_mislabelled_canaries(
+    m: int, key: opake.random.Key, x: torch.Tensor, y: torch.Tensor, num_classes: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Take m random examples out of (x, y) and give each a uniformly random *wrong* label.
+
+    Returns ``((x_canary, y_canary), (x_rest, y_rest))``: the canaries (never in the training
+    data unless their coin says so) and the remaining training data."""
+    if not 2 <= m < len(x):
+        raise ConfigurationError(f"Expected 2 <= canaries={m} < {len(x)} training examples for mislabelled canaries.")
+    gen = opake.random.generator_from_key(key)
+    perm = torch.randperm(len(x), generator=gen)
+    pick, rest = perm[:m], perm[m:]
+    shift = torch.randint(1, num_classes, (m,), generator=gen)
+    return (x[pick], (y[pick] + shift) % num_classes), (x[rest], y[rest])
 
 
 def _log(config: AuditConfig, msg: str) -> None:
@@ -201,17 +234,21 @@ def run(config: AuditConfig) -> dict[str, Any]:
     data = td.load_data(dataclasses.replace(td.Config(), seed=config.seed, subset=config.subset))
     root = opake.random.key(config.seed)
     canary_key, coin_key, init_key, dp_root, np_root = opake.random.split(root, 5)
-    canaries = make_canaries(config.canaries, canary_key, data.input_shape, data.num_classes)
+    if config.canary_kind == "noise":
+        canaries = make_canaries(config.canaries, canary_key, data.input_shape, data.num_classes)
+        base_x, base_y = data.x_train, data.y_train
+    else:
+        canaries, (base_x, base_y) = make_mislabelled_canaries(config.canaries, canary_key, data.x_train, data.y_train, data.num_classes)
     record = auditing.coin_flip(config.canaries, coin_key)
     x_in, y_in = record.select(*canaries)
-    x = torch.cat([data.x_train, x_in])
-    y = torch.cat([data.y_train, y_in])
+    x = torch.cat([base_x, x_in])
+    y = torch.cat([base_y, y_in])
     if not 0 < config.delta < 1.0 / len(x):
         raise ConfigurationError(f"Expected 0 < delta={config.delta:g} < 1/N = {1 / len(x):.3g}.")
     _log(
         config,
-        f"data: {len(data.x_train)} digits + {record.num_included} of {config.canaries} out-of-distribution canaries "
-        f"(noise images, random labels) = N = {len(x)} training examples; {len(data.x_test)} held-out test digits",
+        f"data: {len(base_x)} digits + {record.num_included} of {config.canaries} canaries ({config.canary_kind}) "
+        f"= N = {len(x)} training examples; {len(data.x_test)} held-out test digits",
     )
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=opake.random.generator_from_key(init_key)))
     with torch.random.fork_rng(devices=[]):

@@ -123,3 +123,24 @@ def test_gdp_bound_grows_with_the_number_of_canaries():
         mus = [auditing.one_run(*_gaussian_scores(m, mu, s)).mu_lower_bound for s in range(3)]
         medians.append(float(np.median(mus)))
     assert medians[0] < medians[1] < medians[2] <= mu, medians
+
+
+# ----------------------------------------------------------------------------- nesting
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    st.integers(2, 3000).flatmap(
+        lambda m: st.tuples(st.just(m), st.integers(1, m)).flatmap(lambda mk: st.tuples(st.just(mk[0]), st.just(mk[1]), st.integers(0, mk[1])))
+    ),
+    st.floats(-5, -0.5),
+    st.floats(-8, -2),
+)
+def test_rejections_are_nested(mkc, log_tau, log_delta):
+    """A larger mu (a larger eps) is a weaker claim: if it is rejected, every smaller one is.
+    The coverage argument needs this: the event "some claim weaker than the truth is rejected"
+    is then the event "the true claim is rejected", of probability at most tau."""
+    m, k, c = mkc
+    tau, delta = 10.0**log_tau, 10.0**log_delta
+    rejected = [_stats.gdp_rejected(mu, m, k, c, tau) for mu in np.linspace(0, 6, 61)]
+    assert all(a or not b for a, b in zip(rejected, rejected[1:])), rejected
+    p = [_stats.eps_delta_p_value(e, delta, m, k, c) for e in np.linspace(0, 12, 61)]
+    assert all(b >= a - 1e-12 for a, b in zip(p, p[1:]))

@@ -110,7 +110,14 @@ def _gdp_mu_ceiling(m: int, n_in: int, tau: float) -> float:
 
 
 def _gdp_search(cand: _Candidates, m: int, tau: float, mu_max: float, grid_size: int) -> tuple[float, float | None]:
-    """The largest mu on the grid mu_max * j / grid_size rejected by some candidate rule."""
+    """The largest mu on the grid mu_max * j / grid_size rejected by some candidate rule.
+
+    Coverage: per rule, the rejections are nested in mu (a weaker claim is rejected only if
+    every stronger one is; property-tested), so "some mu >= the true mu is rejected" is the
+    event "the true claim is rejected", of probability <= tau; over the rules, <= L tau =
+    1 - confidence. The same holds for the (eps, delta) search, whose p-value increases in eps.
+    Every value returned was itself tested and rejected (bisection keeps the rejected end).
+    """
     if mu_max <= 0.0 or len(cand.k) == 0:
         return 0.0, None
     grid = lambda j: mu_max * j / grid_size  # noqa: E731
@@ -176,12 +183,15 @@ class OneRunEstimate:
 
     Built by :func:`one_run`. Two views, mirroring :mod:`opake_compile.accounting`'s queries:
 
-    * ``method="gdp"`` (the default): the largest mu such that "the training run is mu-GDP
-      with respect to each canary" is rejected (Mahloujifar, Melis & Chaudhuri 2024). Then
-      :meth:`epsilon_at`, :meth:`delta_at`, :meth:`beta_at` and :meth:`advantage` are those of
-      mu_lower_bound-GDP: the run cannot be more private than that (at the confidence level).
-      This view assumes nothing beyond f-DP of the Gaussian family, which DP-SGD with Gaussian
-      noise satisfies; it is much tighter than the (eps, delta) method for such mechanisms.
+    * ``method="gdp"`` (the default): ``mu_lower_bound`` is the largest mu such that "the
+      training run is mu-GDP with respect to each canary" is rejected (Mahloujifar, Melis &
+      Chaudhuri 2024): a lower bound on the run's mu. :meth:`epsilon_at`, :meth:`delta_at`,
+      :meth:`beta_at` and :meth:`advantage` are those of mu_lower_bound-GDP, hence lower
+      bounds on the run's epsilon(delta), ... *if its privacy curve is Gaussian-shaped* (the
+      assumption of JAX-Privacy's ``epsilon_one_run_fdp`` too). DP-SGD's subsampled Gaussian
+      is close to that after many steps (central limit theorem, Dong, Roth & Su 2022), not
+      exactly; for a claim that assumes nothing about the mechanism use :meth:`eps_delta`.
+      This view is much tighter for Gaussian-like mechanisms.
     * ``method="eps_delta"`` (:meth:`eps_delta`): the mechanism-agnostic (eps, delta) audit of
       Steinke, Nasr & Jagielski (2023); :meth:`epsilon_at` is the largest eps such that
       (eps, delta)-DP is rejected.
@@ -228,8 +238,10 @@ class OneRunEstimate:
     def epsilon_at(self, delta: float) -> float:
         """A lower bound on epsilon at ``delta`` (nats), at ``confidence``.
 
-        GDP view: the epsilon of mu_lower_bound-GDP at delta. (eps, delta) view: the largest eps
-        such that (eps, delta)-DP is rejected by the canaries.
+        GDP view: the epsilon of mu_lower_bound-GDP at delta (inf at delta = 0 when mu > 0;
+        a bound on the run if its privacy curve is Gaussian-shaped, see the class docstring).
+        (eps, delta) view: the largest eps such that (eps, delta)-DP is rejected by the
+        canaries, for any mechanism.
 
         Raises:
             ConfigurationError: ``delta`` not in [0, 1].

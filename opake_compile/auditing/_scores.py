@@ -150,7 +150,7 @@ def gradient_scores(
         >>> model = torch.nn.Linear(4, 3)
         >>> theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
         >>> with torch.no_grad():
-        ...     model.weight.add_(0.1)
+        ...     _ = model.weight.add_(0.1)
         >>> x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
         >>> loss = lambda m, x, y: F.cross_entropy(m(x), y)
         >>> s = opake.auditing.gradient_scores(model, (x, y), loss, initial_params=theta0)
