@@ -15,10 +15,9 @@ from opake_compile.auditing import _stats
 from opake_compile.auditing._record import CanaryRecord
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
-__all__ = ["OneRunEstimate", "one_run"]
+__all__ = ["OneRunEstimate", "guess_counts", "one_run"]
 
 DEFAULT_GRID_SIZE = 10_000
-_METHODS = ("gdp", "eps_delta")
 
 
 # ----------------------------------------------------------------------------- guess rules
