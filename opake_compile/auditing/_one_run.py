@@ -33,6 +33,12 @@ def guess_counts(m: int) -> np.ndarray:
     the delta term of the (eps, delta) test. On Gaussian synthetic scores (m = 10^3, 10^4)
     sqrt(2) spacing gave higher bounds than 2^(1/3), 2^(1/4) and 2^(1/8): the smaller split
     outweighs the guesses lost between budgets. Ties at a cut can make a rule guess fewer.
+
+    Example::
+
+        >>> from opake_compile.auditing import guess_counts
+        >>> guess_counts(10).tolist()
+        [1, 2, 3, 4, 5, 8, 10]
     """
     j = np.arange(0, int(GUESS_GRID_STEPS_PER_OCTAVE * math.log2(m)) + 2)
     ks = np.unique(np.ceil(m * 2.0 ** (-j / GUESS_GRID_STEPS_PER_OCTAVE) - 1e-9).astype(np.int64))
