@@ -10,7 +10,7 @@ compiled path is verified against.
     >>> import opake_compile as opake
 """
 
-from opake_compile import accounting, distributed, dpsgd, exceptions, functional, pytree, random, sampling
+from opake_compile import accounting, auditing, distributed, dpsgd, exceptions, functional, pytree, random, sampling
 from opake_compile.compiler import DPStep, DPStepResult, compile_dp
 from opake_compile.dpsgd import (
     ClippedPytree,
@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "accounting",
+    "auditing",
     "distributed",
     "dpsgd",
     "exceptions",
