@@ -10,7 +10,19 @@ compiled path is verified against.
     >>> import opake_compile as opake
 """
 
-from opake_compile import accounting, distributed, dpsgd, exceptions, functional, pytree, random, sampling
+from opake_compile import (
+    accounting,
+    distributed,
+    dpsgd,
+    exceptions,
+    functional,
+    pytree,
+    random,
+    sampling,
+    schedules,
+    serialization,
+)
+from opake_compile.checkpoint import Checkpointer
 from opake_compile.compiler import DPStep, DPStepResult, compile_dp
 from opake_compile.dpsgd import (
     ClippedPytree,
@@ -35,6 +47,9 @@ __all__ = [
     "pytree",
     "random",
     "sampling",
+    "schedules",
+    "serialization",
+    "Checkpointer",
     "compile_dp",
     "DPStep",
     "DPStepResult",
