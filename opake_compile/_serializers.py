@@ -135,6 +135,7 @@ register_serializer(
     from_state=lambda s, st: _load(s, st),
     config=("dataset_size", "sample_rate", "truncated_batch_size", "steps", "key", "rank", "world_size"),
     in_place=True,
+    local=("rank",),
 )
 
 register_serializer(
@@ -144,6 +145,7 @@ register_serializer(
     from_state=lambda s, st: _load(s, st),
     config=("clipping_norm",),
     in_place=True,
+    local=("key",),  # dropout randomness stays per process in data-parallel runs
 )
 
 

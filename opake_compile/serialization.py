@@ -106,6 +106,9 @@ class Serializer:
             the template (for example a fresh optimizer has no moments yet); ``()`` frees all.
         in_place: the object is mutable and restored by ``from_state`` in place, after the
             whole tree has been validated.
+        local: top-level state keys that legitimately differ between processes of one run (a
+            sampler's rank, a step's dropout key): :func:`opake_compile.distributed.sync`
+            neither compares nor overwrites them.
     """
 
     type: type
@@ -115,6 +118,7 @@ class Serializer:
     config: tuple[str, ...] = ()
     free: tuple[tuple[Any, ...], ...] = ()
     in_place: bool = False
+    local: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[type, Serializer] = {}
@@ -130,6 +134,7 @@ def register_serializer(
     config: tuple[str, ...] = (),
     free: tuple[tuple[Any, ...], ...] = (),
     in_place: bool = False,
+    local: tuple[str, ...] = (),
 ) -> Serializer:
     """Teach :func:`state_dict` / :func:`from_state_dict` a type.
 
@@ -146,6 +151,8 @@ def register_serializer(
         config: top-level state keys compared for equality with the template's state.
         free: state paths whose structure is taken from the data (validated by ``from_state``).
         in_place: restore by mutating the template, after the whole tree was validated.
+        local: top-level state keys that differ between the processes of one run by design
+            (ignored by :func:`opake_compile.distributed.sync`).
 
     Returns:
         The :class:`Serializer` record.
@@ -172,7 +179,7 @@ def register_serializer(
     other = _BY_NAME.get(name)
     if other is not None and other.type is not cls:
         raise ConfigurationError(f"Serializer name {name!r} is already used by {other.type.__qualname__}.")
-    ser = Serializer(cls, name, to_state, from_state, tuple(config), tuple(tuple(f) for f in free), in_place)
+    ser = Serializer(cls, name, to_state, from_state, tuple(config), tuple(tuple(f) for f in free), in_place, tuple(local))
     old = _REGISTRY.get(cls)
     if old is not None:
         _BY_NAME.pop(old.name, None)
@@ -598,6 +605,45 @@ def from_state_dict(template: Any, flat: Mapping[str, torch.Tensor], metadata: M
     for commit in dec.commits:
         commit()
     return out
+
+
+def _object_fields(tree: Any, path: str = "") -> list[tuple[str, Serializer, dict[str, Any]]]:
+    """``(path, serializer, {field: node})`` for every registered object in a metadata tree
+    whose state is a dict (the objects whose ``config``/``local`` fields can be named)."""
+    _ensure_builtins()
+    out: list[tuple[str, Serializer, dict[str, Any]]] = []
+
+    def walk(node: Any, p: str) -> None:
+        kind = _kind(node)
+        if kind == "object":
+            ser = _BY_NAME.get(node["object"])
+            inner = node["state"]
+            if ser is not None and _kind(inner) == "dict":
+                out.append((p, ser, {k: v for k, v in inner["dict"]}))
+            walk(inner, p)
+        elif kind in ("dict", "fields"):
+            for k, v in node[kind]:
+                walk(v, _join(p, k))
+        elif kind in ("list", "tuple"):
+            for i, v in enumerate(node[kind]):
+                walk(v, _join(p, i))
+
+    walk(tree, path)
+    return out
+
+
+def _tensor_keys(node: Any) -> list[str]:
+    """The flat keys a metadata subtree references."""
+    kind = _kind(node)
+    if kind in ("tensor", "bool", "int", "float"):
+        return [node[kind]]
+    if kind in ("dict", "fields"):
+        return [k for _, v in node[kind] for k in _tensor_keys(v)]
+    if kind in ("list", "tuple"):
+        return [k for v in node[kind] for k in _tensor_keys(v)]
+    if kind == "object":
+        return _tensor_keys(node["state"])
+    return []
 
 
 # ============================================================================= files
