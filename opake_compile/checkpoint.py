@@ -60,8 +60,54 @@ def _checksum(flat: Mapping[str, torch.Tensor], meta_json: str) -> str:
         t = flat[k]
         h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
         if t.numel():
-            h.update(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            h.update(_tensor_bytes(t.detach().cpu().contiguous()))
     return h.hexdigest()
+
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Write the safetensors format (8-byte header length, JSON header, raw little-endian data)
+    straight from the tensors' memory and ``fsync`` it: no serialised copy of the whole state
+    in memory (``safetensors.torch.save_file`` builds one). Read back with ``safe_open``, which
+    validates the layout. Other dtypes go through ``safetensors.torch.save_file``."""
+    if any(t.dtype not in _ST_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file as _st_save
+
+        _st_save(dict(tensors), str(path), metadata=dict(metadata))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        header: dict[str, Any] = {"__metadata__": dict(metadata)}
+        offset = 0
+        order = sorted(tensors)
+        for k in order:
+            t = tensors[k]
+            n = t.numel() * t.element_size()
+            header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(path, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for k in order:
+                if tensors[k].numel():
+                    f.write(_tensor_bytes(tensors[k]))
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -174,15 +220,8 @@ class Checkpointer:
         self._dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step_number)
         tmp = self._dir / f"{_TMP_PREFIX}{step_number:010d}-{os.getpid()}.safetensors"
-        from safetensors.torch import save_file as _st_save
-
         try:
-            _st_save(tensors, str(tmp), metadata=header)
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_safetensors(tmp, tensors, header)
             _atomic_rename(tmp, final)
             _fsync_dir(self._dir)
         except Exception as err:

@@ -214,3 +214,47 @@ def test_main_job_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
     # The resumed run reports the epochs it finished itself (the second one) identically.
     assert a["history"][-1]["epsilon"] == b["history"][-1]["epsilon"]
     assert a["history"][-1]["test_accuracy"] == b["history"][-1]["test_accuracy"]
+
+
+def test_every_dtype_round_trips_through_the_file(tmp_path):
+    """The direct safetensors writer and the fallback (complex) both give back the same bits."""
+    ckpt = opake.Checkpointer(tmp_path)
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+              torch.int16, torch.int8, torch.uint8, torch.bool]
+    g = torch.Generator().manual_seed(0)
+    tensors = {str(d): (torch.randn(3, 2, generator=g) * 50).to(d) for d in dtypes}
+    tensors["empty"] = torch.zeros(0, 3)
+    tensors["scalar"] = torch.tensor(float("nan"))
+    tensors["view"] = torch.arange(10.0)[2:8:2]  # a strided view of a larger storage
+    for tree in (tensors, {**tensors, "complex": torch.randn(2, generator=g, dtype=torch.complex64)}):
+        ckpt.save(1, t=tree)
+        _, out = ckpt.restore_state(t={k: torch.empty_like(v) for k, v in tree.items()})
+        for k, v in tree.items():
+            assert out["t"][k].dtype == v.dtype and out["t"][k].shape == v.shape, k
+            assert torch.equal(out["t"][k].reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+def test_tied_weights_are_saved_once_each_and_restored(tmp_path):
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight  # tied, as GPT-2's LM head
+    ckpt = opake.Checkpointer(tmp_path)
+    ckpt.save(1, model=model)
+    fresh = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    fresh[1].weight = fresh[0].weight
+    ckpt.restore(model=fresh)
+    assert torch.equal(fresh[0].weight, model[0].weight) and fresh[1].weight is fresh[0].weight
+
+
+def test_main_job_refuses_resume_without_a_directory():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_digits_ck", Path(__file__).resolve().parents[1] / "examples" / "train_digits.py")
+    td = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = td
+    spec.loader.exec_module(td)
+    with pytest.raises(ConfigurationError, match="--resume needs --checkpoint-dir"):
+        td._check_config(td.parse_args(["--resume"]))
+    config = td.parse_args(["--checkpoint-dir", "d", "--resume", "--checkpoint-every", "3", "--dropout", "0.2", "--lr-schedule", "cosine"])
+    assert (config.checkpoint_dir, config.resume, config.checkpoint_every, config.dropout, config.lr_schedule) == ("d", True, 3, 0.2, "cosine")
+    with pytest.raises(ConfigurationError, match="checkpoint_every"):
+        td._check_config(td.parse_args(["--checkpoint-every", "0"]))
