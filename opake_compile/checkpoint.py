@@ -139,6 +139,10 @@ class Checkpointer:
     nothing, when there is none). The names of the keyword arguments are the top-level keys of
     the checkpoint: restore with the names used for saving.
 
+    One process per directory: in a data-parallel run the sampler's state is per rank, so give
+    each rank its own directory (or save, on rank 0 only, the state all ranks share, and after
+    restoring call :func:`opake_compile.distributed.sync` on every rank).
+
     Args:
         directory: where checkpoints live (created if missing). One run per directory.
         keep: how many of the newest checkpoints to keep (>= 1).
