@@ -350,3 +350,20 @@ def test_unregistered_types_and_bad_trees_are_refused():
         S.state_dict({(1, 2): 3})
     with pytest.raises(InputTypeError):
         S.register_serializer("not a type", to_state=str, from_state=str)  # type: ignore[arg-type]
+
+
+def test_plain_torch_optimizer_round_trips_and_its_free_state_is_checked():
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = _data()
+    _loss(model, x, y).backward()
+    opt.step()
+    flat, meta = S.state_dict({"opt": opt})
+    fresh_model = _Net(1)
+    fresh = torch.optim.AdamW(fresh_model.parameters(), lr=0.01)
+    S.from_state_dict({"opt": fresh}, flat, meta)
+    _assert_flat_equal(S.state_dict({"opt": fresh})[0], flat)
+    # moments of a parameter the template's optimizer does not have
+    small = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.01)
+    with pytest.raises(CheckpointError, match=r"^opt\.param_groups\.0\.params: the checkpoint holds 4 entries, the template 2"):
+        S.from_state_dict({"opt": small}, flat, meta)
