@@ -7,6 +7,7 @@ configuration is declared as ``config`` (checked against the template before any
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ from opake_compile import accounting as _acc
 from opake_compile import random as _random
 from opake_compile.compiler.step import DPStep
 from opake_compile.dpsgd.clipping import ClipState
-from opake_compile.exceptions import CheckpointError, OpakeError
+from opake_compile.exceptions import CheckpointError, InputTypeError, OpakeError
 from opake_compile.optim import DPOptimizer
 from opake_compile.sampling import PoissonSampler
 from opake_compile.serialization import register_serializer
@@ -124,7 +125,9 @@ register_serializer(
     to_state=_dp_optimizer_to_state,
     from_state=_dp_optimizer_from_state,
     config=("noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size", "accountant"),
-    free=(("optimizer", "state"),),
+    # "runs": the per-run history of charged steps some optimizer versions keep (its length is
+    # data); the wrapped optimizer's moments do not exist yet in a fresh template.
+    free=(("optimizer", "state"), ("runs",)),
     in_place=True,
 )
 
@@ -172,7 +175,30 @@ def _process_to_state(p: Any) -> dict[str, Any]:
         return {"kind": "repeated", "process": _process_to_state(p.process), "count": int(p.count)}
     if isinstance(p, _acc.Composed):
         return {"kind": "composed", "parts": [_process_to_state(q) for q in p.parts]}
-    raise CheckpointError(f"No serialization for the privacy process {p!r} ({type(p).__name__}).")
+    # Any other public process class that is a dataclass: by its constructor's fields.
+    if dataclasses.is_dataclass(p) and getattr(_acc, type(p).__name__, None) is type(p):
+        return {
+            "kind": "class",
+            "name": type(p).__name__,
+            "fields": {f.name: _field_to_state(getattr(p, f.name)) for f in dataclasses.fields(p) if f.init},
+        }
+    raise InputTypeError(f"No serialization for the privacy process {p!r} ({type(p).__name__}).")
+
+
+def _field_to_state(v: Any) -> Any:
+    if isinstance(v, _acc.PrivacyProcess):
+        return _process_to_state(v)
+    if isinstance(v, (list, tuple)):
+        return [_field_to_state(x) for x in v]
+    return v
+
+
+def _field_from_state(v: Any) -> Any:
+    if isinstance(v, Mapping) and "kind" in v:
+        return _process_from_state(v)
+    if isinstance(v, list):
+        return tuple(_field_from_state(x) for x in v)  # frozen processes hold tuples
+    return v
 
 
 def _process_from_state(s: Any) -> Any:
@@ -199,6 +225,11 @@ def _process_from_state(s: Any) -> Any:
         return _acc.Repeated(inner, s["count"]) if isinstance(inner, _acc.Repeated) else inner * s["count"]
     if kind == "composed":
         return _acc.Composed(tuple(_process_from_state(q) for q in s["parts"]))
+    if kind == "class":
+        cls = getattr(_acc, str(s.get("name")), None)
+        if not (isinstance(cls, type) and issubclass(cls, _acc.PrivacyProcess)):
+            raise CheckpointError(f"Unknown privacy process class {s.get('name')!r}.")
+        return cls(**{k: _field_from_state(v) for k, v in s["fields"].items()})
     raise CheckpointError(f"Unknown privacy process kind {kind!r}.")
 
 

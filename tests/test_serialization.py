@@ -9,6 +9,7 @@ every mismatch raises ``CheckpointError`` naming the key and leaves every object
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -367,3 +368,54 @@ def test_plain_torch_optimizer_round_trips_and_its_free_state_is_checked():
     small = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=0.01)
     with pytest.raises(CheckpointError, match=r"^opt\.param_groups\.0\.params: the checkpoint holds 4 entries, the template 2"):
         S.from_state_dict({"opt": small}, flat, meta)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class _CustomProcess(acc.PrivacyProcess):
+    """A process class the serializer has no explicit case for (as new mechanisms will be)."""
+
+    inner: acc.PrivacyProcess
+    weights: tuple[float, ...]
+
+    def to_dp_event(self):
+        return self.inner.to_dp_event()
+
+
+def test_other_public_process_classes_round_trip_by_their_fields(monkeypatch):
+    monkeypatch.setattr(acc, "_CustomProcess", _CustomProcess, raising=False)
+    _CustomProcess.__name__ = "_CustomProcess"
+    p = _CustomProcess(acc.gaussian(2.0) * 3, (0.5, 1.5)) | acc.gaussian(1.0)
+    flat, meta = S.state_dict({"p": p})
+    assert S.from_state_dict({"p": acc.identity()}, flat, meta)["p"] == p
+    monkeypatch.delattr(acc, "_CustomProcess")
+    with pytest.raises(InputTypeError, match="No serialization for the privacy process"):
+        S.state_dict({"p": p})
+
+
+def test_optimizer_history_of_varying_length_is_data_not_structure():
+    """A DPOptimizer state entry whose length grows with the run (``runs``, kept by optimizers
+    that charge heterogeneous steps) is restored from the data, not matched to the template."""
+
+    class _WithRuns(opake.DPOptimizer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.runs = []
+
+        def state_dict(self):
+            return {**super().state_dict(), "runs": [list(r) for r in self.runs]}
+
+        def load_state_dict(self, state):
+            super().load_state_dict({k: v for k, v in state.items() if k != "runs"})
+            self.runs = [tuple(r) for r in state["runs"]]
+
+    def make():
+        model = _Net()
+        sampler = opake.PoissonSampler(N, 0.25, key=opake.random.key(1))
+        return _WithRuns(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(2))
+
+    saved = make()
+    saved.runs = [([1.5], 3), ([], 2)]
+    flat, meta = S.state_dict({"opt": saved})
+    fresh = make()
+    S.from_state_dict({"opt": fresh}, flat, meta)
+    assert fresh.runs == [([1.5], 3), ([], 2)]
