@@ -299,13 +299,6 @@ def state_dict(tree: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 # ============================================================================= decoding
-class _Free:
-    """Marks a template position whose structure comes from the data."""
-
-
-_FREE = _Free()
-
-
 def _kind(node: Any) -> str:
     if node is None:
         return "None"
@@ -408,7 +401,7 @@ class _Decoder:
 
     # -- template-driven decoding ----------------------------------------------------------
     def restore(self, tmpl: Any, node: Any, path: str, free: tuple = (), rel: tuple = ()) -> Any:
-        if tmpl is _FREE or rel in free:
+        if rel in free:  # a free subtree: its structure comes from the data
             return self.free(node, path)
         kind = _kind(node)
         where = path or "<root>"

@@ -150,6 +150,7 @@ def _fresh_value_tree():
     }
 
 
+@pytest.mark.filterwarnings("ignore::opake_compile._validate.NotPrivateWarning")
 @pytest.mark.parametrize("medium", ["memory", "torch.save", "safetensors"])
 def test_value_states_round_trip_bit_for_bit(medium, tmp_path):
     tree = _value_tree()
