@@ -33,7 +33,7 @@ from opake_compile.exceptions import CheckpointError, ConfigurationError, InputT
 
 __all__ = ["PoissonSampler"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
 
 class PoissonSampler(Sampler[list[int]]):
@@ -122,6 +122,10 @@ class PoissonSampler(Sampler[list[int]]):
             steps = max(1, round(1.0 / self._sample_rate))
         self._steps = check_positive_int(steps, name="steps")
         self._epoch = 0
+        # Mid-epoch position, for checkpoints: (epoch, batches of it drawn so far) while an
+        # epoch is being iterated; a restored position makes the next iter() resume there.
+        self._position: tuple[int, int] | None = None
+        self._resume_at = 0
 
     # -- read-only configuration --------------------------------------------------------------
 
@@ -168,12 +172,16 @@ class PoissonSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self._epoch
         self._epoch += 1
-        return self._iterate(epoch)
+        start, self._resume_at = self._resume_at, 0
+        self._position = (epoch, start)
+        return self._iterate(epoch, start)
 
-    def _iterate(self, epoch: int) -> Iterator[list[int]]:
+    def _iterate(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         epoch_key = oprandom.fold_in(self._key, epoch)
-        for step in range(self._steps):
-            yield self._batch(epoch_key, step)
+        for step in range(start, self._steps):
+            batch = self._batch(epoch_key, step)
+            self._position = (epoch, step + 1)  # counted as drawn once handed out
+            yield batch
 
     def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
         g = oprandom.generator_from_key(oprandom.fold_in(epoch_key, step))
@@ -201,10 +209,21 @@ class PoissonSampler(Sampler[list[int]]):
     # -- checkpointing ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch counter and the configuration it belongs to (plain Python values)."""
+        """The epoch counter, the position inside the epoch being iterated, and the
+        configuration they belong to (plain Python values).
+
+        Saved in the middle of an epoch (after ``k`` of its batches were handed out), ``epoch``
+        is that epoch and ``position`` is ``k``: a restored sampler's next ``iter()`` yields
+        batches ``k, k+1, ...`` of it, the ones the interrupted run would have drawn next.
+        (With a ``DataLoader`` that prefetches, ``k`` counts batches drawn, not consumed.)
+        """
+        epoch, position = self._epoch, self._resume_at
+        if self._position is not None and self._position[0] == self._epoch - 1 and self._position[1] < self._steps:
+            epoch, position = self._position
         return {
             "version": _STATE_VERSION,
-            "epoch": self._epoch,
+            "epoch": epoch,
+            "position": position,
             "key": oprandom.key_to_state(self._key),
             "dataset_size": self._dataset_size,
             "sample_rate": self._sample_rate,
@@ -227,7 +246,7 @@ class PoissonSampler(Sampler[list[int]]):
         missing = [k for k in required if k not in state]
         if missing:
             raise CheckpointError(f"PoissonSampler state lacks {missing}.")
-        if state["version"] != _STATE_VERSION:
+        if state["version"] not in (1, _STATE_VERSION):
             raise CheckpointError(f"Unknown PoissonSampler state version {state['version']!r}.")
         try:
             saved_key = oprandom.key_from_state(state["key"])
@@ -248,7 +267,14 @@ class PoissonSampler(Sampler[list[int]]):
         epoch = state["epoch"]
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise CheckpointError(f"Invalid epoch {epoch!r} in PoissonSampler state.")
+        position = state.get("position", 0)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= self._steps:
+            raise CheckpointError(f"Invalid position {position!r} in PoissonSampler state (steps={self._steps}).")
+        if position == self._steps:
+            epoch, position = epoch + 1, 0
         self._epoch = epoch
+        self._resume_at = position
+        self._position = None
 
     def __repr__(self) -> str:
         return (
