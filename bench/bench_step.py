@@ -61,7 +61,7 @@ ALL_CONFIGS = (
 )
 BASELINE_CONFIGS = ("np_compiled_grad", "np_compiled_backward")
 CORE_MODELS = ("mlp", "cnn", "transformer")
-OPTIONAL_MODELS = ("gpt2", "mlp_lora")
+OPTIONAL_MODELS = ("gpt2", "gpt2_t512", "mlp_lora")
 NUM_POISSON = 20
 
 
@@ -210,12 +210,16 @@ def build_transformer(quick: bool) -> Spec:
     )
 
 
-def build_gpt2(quick: bool) -> Spec:
+def build_gpt2(quick: bool, *, long: bool = False) -> Spec:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if quick:
         n_embd, n_head, vocab, t, b = 32, 2, 500, 16, 4
+    elif long:
+        # GPT-2-small width at a realistic sequence length (vocab cut to keep the LM head from
+        # dominating a 2-core step): the shape where sequence layers take the mixed path.
+        n_embd, n_head, vocab, t, b = 768, 12, 8192, 512, 2
     else:
         n_embd, n_head, vocab, t, b = 768, 12, 50257, 64, 8
     cfg = GPT2Config(
@@ -241,7 +245,7 @@ def build_gpt2(quick: bool) -> Spec:
         return logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), (ids.shape[0], ids.shape[1] - 1)
 
     return Spec(
-        "gpt2", model, b, make_batch, logits_targets,
+        "gpt2_t512" if long and not quick else "gpt2", model, b, make_batch, logits_targets,
         f"GPT-2 shaped (transformers {__import__('transformers').__version__}) n_layer=2 n_embd={n_embd} "
         f"heads={n_head} vocab={vocab} T={t}, tied LM head, eager attention, B={b}",
     )
@@ -252,6 +256,7 @@ BUILDERS = {
     "cnn": build_cnn,
     "transformer": build_transformer,
     "gpt2": build_gpt2,
+    "gpt2_t512": lambda quick: build_gpt2(quick, long=True),
     "mlp_lora": build_mlp_lora,
 }
 

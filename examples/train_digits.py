@@ -19,6 +19,16 @@ Run it::
     python examples/train_digits.py                          # DP at epsilon = 3
     python examples/train_digits.py --non-private-baseline --plot digits.png
     python examples/train_digits.py --data mine.csv --label-column target --epsilon 8
+    python examples/train_digits.py --checkpoint-dir runs/digits --resume   # pre-emptible
+
+Checkpoints: with ``--checkpoint-dir`` the whole state of the run (model, optimizer moments, the
+``DPOptimizer``'s noise key and step count, the sampler's epoch and position, the compiled
+step's dropout key, the LR scheduler) is written atomically every ``--checkpoint-every`` steps
+(default: every epoch) and after the last step, keeping the newest three. ``--resume`` continues
+from the newest one: the resumed run takes exactly the steps, noise, batches and dropout masks
+the uninterrupted run would have taken, so its final parameters and epsilon are bit for bit
+those of a run that was never stopped (same machine, torch version and thread count). The
+per-epoch history of a resumed run starts at the first epoch it finishes.
 
 From Python (tests do this)::
 
@@ -92,6 +102,11 @@ class Config:
     subset: int | None = None
     progress: bool = True
     verbose: bool = True
+    dropout: float = 0.0
+    lr_schedule: str = "constant"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None  # steps; None: once per epoch
+    resume: bool = False
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -130,6 +145,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--subset", type=int, default=None, metavar="N", help="train on a stratified subset of N training examples (test split unchanged)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
     p.add_argument("--quiet", dest="verbose", action="store_false", help="print only the summary")
+    p.add_argument("--dropout", type=float, default=d.dropout, help="dropout before the classifier head, in [0, 1) (default %(default)s)")
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine", "one-minus-sqrt"),
+        default=d.lr_schedule,
+        help="learning-rate multiplier over the run's steps (opake_compile.schedules; default %(default)s)",
+    )
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints of the whole DP state to DIR (keeps the newest 3)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="checkpoint every STEPS steps (default: every epoch)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none)")
     ns = p.parse_args(argv)
     return Config(**vars(ns))
 
@@ -331,10 +356,11 @@ def load_data(config: Config) -> Data:
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+def build_model(input_shape: tuple[int, int, int], num_classes: int, dropout: float = 0.0) -> nn.Module:
     """A small CNN (about 29k parameters for 8x8 inputs), tanh activations (bounded, which
     suits clipped noisy gradients; Papernot et al. 2021). GroupNorm, not BatchNorm: BatchNorm
-    mixes the examples of a batch, so per-example gradients (and DP-SGD) are undefined for it."""
+    mixes the examples of a batch, so per-example gradients (and DP-SGD) are undefined for it.
+    ``dropout > 0`` adds dropout before the head (its masks come from the DP step's key)."""
     c, h, w = input_shape
     return nn.Sequential(
         nn.Conv2d(c, 32, 3, padding=1),
@@ -344,6 +370,7 @@ def build_model(input_shape: tuple[int, int, int], num_classes: int) -> nn.Modul
         nn.GroupNorm(4, 64),
         nn.Tanh(),
         nn.Flatten(),
+        *([nn.Dropout(dropout)] if dropout > 0 else []),
         nn.Linear(64 * ((h + 1) // 2) * ((w + 1) // 2), num_classes),
     )
 
@@ -353,7 +380,7 @@ def _init_model(config: Config, data: Data) -> nn.Module:
     # restored afterwards so nothing leaks into the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        return build_model(data.input_shape, data.num_classes)
+        return build_model(data.input_shape, data.num_classes, config.dropout)
 
 
 def learning_rate(config: Config) -> float:
@@ -442,6 +469,22 @@ def _check_config(config: Config) -> None:
         raise ConfigurationError(f"Expected clipping_norm={config.clipping_norm!r} > 0 and finite (inf would not be private).")
     if not 0 < config.test_fraction < 1:
         raise ConfigurationError(f"Expected test_fraction={config.test_fraction!r} in (0, 1).")
+    if not 0 <= config.dropout < 1:
+        raise ConfigurationError(f"Expected dropout={config.dropout!r} in [0, 1).")
+    if config.lr_schedule not in ("constant", "cosine", "one-minus-sqrt"):
+        raise ConfigurationError(f"Expected lr_schedule in ('constant', 'cosine', 'one-minus-sqrt'), got {config.lr_schedule!r}.")
+    if config.checkpoint_every is not None and config.checkpoint_every < 1:
+        raise ConfigurationError(f"Expected checkpoint_every={config.checkpoint_every!r} >= 1.")
+    if config.resume and config.checkpoint_dir is None:
+        raise ConfigurationError("--resume needs --checkpoint-dir (where the checkpoints are).")
+
+
+def _lr_schedule(config: Config, total_steps: int) -> opake.schedules.Schedule:
+    if config.lr_schedule == "cosine":
+        return opake.schedules.cosine_schedule(total_steps)
+    if config.lr_schedule == "one-minus-sqrt":
+        return opake.schedules.one_minus_sqrt_schedule(total_steps)
+    return opake.schedules.constant_schedule()
 
 
 # ----------------------------------------------------------------------------- training
@@ -497,6 +540,8 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         budget=accounting.epsilon_budget(config.epsilon, config.delta),
     )
 
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _lr_schedule(config, total_steps))
+
     t0 = time.perf_counter()
     allowed = optimizer.max_steps()  # the budget check of every step; computed (and cached) here
     calibrate_s += time.perf_counter() - t0
@@ -513,16 +558,37 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         f"DP step (backend={config.backend}, physical batch {p}) in {compile_s:.1f} s",
     )
 
+    # Everything the run's future depends on; restored after the compile call above (which
+    # drew dropout randomness from the step's key, in the interrupted run as in this one).
+    state = {"model": model, "optimizer": optimizer, "sampler": sampler, "step": step, "scheduler": scheduler}
+    ckpt = opake.Checkpointer(config.checkpoint_dir, keep=3) if config.checkpoint_dir else None
+    every = config.checkpoint_every or steps_per_epoch
+    start_step = 0
+    if ckpt is not None and config.resume:
+        restored = ckpt.restore(**state)
+        if restored is not None:
+            if optimizer.steps != restored:
+                raise ConfigurationError(f"Checkpoint {restored} holds an optimizer at step {optimizer.steps}.")
+            start_step = restored
+            _log(config, f"[private] resumed from {ckpt.path(restored)} (step {restored} of {total_steps}, epsilon spent {optimizer.epsilon(config.delta):.3f})")
+
     history = []
     train_s = 0.0
-    for epoch in range(1, config.epochs + 1):
+    for epoch in range(start_step // steps_per_epoch + 1, config.epochs + 1):
         t0 = time.perf_counter()
         loss_sum, seen = 0.0, 0
-        bar = tqdm(sampler, desc=f"private epoch {epoch}/{config.epochs}", leave=False, disable=not config.progress, unit="step")
+        # One iter() per epoch (tqdm.auto would call iter() on a sampler once more itself, which
+        # starts, and discards, one more epoch); after a restore it resumes mid-epoch.
+        left = config.epochs * steps_per_epoch - optimizer.steps - (config.epochs - epoch) * steps_per_epoch
+        batches = iter(sampler)
+        bar = tqdm(batches, total=left, desc=f"private epoch {epoch}/{config.epochs}", leave=False, disable=not config.progress, unit="step")
         for idx in bar:  # indexing the tensors directly; an empty batch is a pure-noise step
             idx_t = torch.as_tensor(idx, dtype=torch.int64)
             out = step(data.x_train[idx_t], data.y_train[idx_t])
             optimizer.step(out.clipped, draw=idx)  # charged per Poisson draw
+            scheduler.step()
+            if ckpt is not None and (optimizer.steps % every == 0 or optimizer.steps == total_steps):
+                ckpt.save(optimizer.steps, **state)
             if len(idx):
                 loss_sum += float(out.loss) * len(idx)
                 seen += len(idx)
@@ -546,8 +612,8 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
             f"test acc {acc:.4f}  eps spent {eps:.3f}  {row['examples_per_s']:.0f} ex/s",
         )
     return {
-        "test_accuracy": history[-1]["test_accuracy"],
-        "epsilon": history[-1]["epsilon"],
+        "test_accuracy": history[-1]["test_accuracy"] if history else evaluate(model, data.x_test, data.y_test),
+        "epsilon": history[-1]["epsilon"] if history else optimizer.epsilon(config.delta),
         "delta": config.delta,
         "noise_multiplier": sigma,
         "calibrated_epsilon": calibration.epsilon,
@@ -563,6 +629,8 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         "history": history,
         "model": model,
         "optimizer": optimizer,
+        "resumed_from_step": start_step,
+        "checkpoint_dir": config.checkpoint_dir,
     }
 
 

@@ -10,7 +10,20 @@ compiled path is verified against.
     >>> import opake_compile as opake
 """
 
-from opake_compile import accounting, distributed, dpsgd, exceptions, functional, pytree, random, sampling
+from opake_compile import (
+    accounting,
+    auditing,
+    distributed,
+    dpsgd,
+    exceptions,
+    functional,
+    pytree,
+    random,
+    sampling,
+    schedules,
+    serialization,
+)
+from opake_compile.checkpoint import Checkpointer
 from opake_compile.compiler import DPStep, DPStepResult, compile_dp
 from opake_compile.dpsgd import (
     ClippedPytree,
@@ -28,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "accounting",
+    "auditing",
     "distributed",
     "dpsgd",
     "exceptions",
@@ -35,6 +49,9 @@ __all__ = [
     "pytree",
     "random",
     "sampling",
+    "schedules",
+    "serialization",
+    "Checkpointer",
     "compile_dp",
     "DPStep",
     "DPStepResult",

@@ -47,6 +47,11 @@ def _as_float(name: str, value: Any) -> float:
     raise InputTypeError(f"Expected {name} to be a number or a 0-d tensor, got {type(value).__name__}.")
 
 
+#: The smallest clipping norm accepted (2^-100, about 7.9e-31). See
+#: :mod:`opake_compile.compiler.passes.numerics`.
+MIN_CLIPPING_NORM = 2.0**-100
+
+
 def check_clipping_norm(value: Any, *, name: str = "clipping_norm") -> float:
     """Validate a clipping norm C and return it as a Python float.
 
@@ -55,11 +60,18 @@ def check_clipping_norm(value: Any, *, name: str = "clipping_norm") -> float:
 
     Raises:
         InputTypeError: C is not a real number or 0-d tensor.
-        ConfigurationError: C <= 0 or C is NaN.
+        ConfigurationError: C <= 0, C < 2^-100 or C is NaN.
     """
     c = _as_float(name, value)
     if math.isnan(c) or c <= 0:
         raise ConfigurationError(f"Expected {name}={c!r} > 0 (use math.inf to disable clipping).")
+    if c < MIN_CLIPPING_NORM:
+        # Below this, rounding at the bottom of the float32 range (subnormal products in the
+        # sums) is no longer negligible next to C: the numerical contract could not hold.
+        raise ConfigurationError(
+            f"Expected {name}={c!r} >= {MIN_CLIPPING_NORM:.3g}: smaller clipping norms are below the "
+            "range where the sensitivity bound holds in floating point (rescale the loss instead)."
+        )
     if math.isinf(c):
         warnings.warn(
             f"{name}=inf: per-example gradients are not clipped, so the sum has unbounded "

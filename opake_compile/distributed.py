@@ -73,6 +73,7 @@ Example (run with ``torchrun --nproc_per_node 2 script.py``; see
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,7 +97,10 @@ __all__ = [
     "local_shard",
     "all_reduce",
     "reduce_pytree",
+    "reduce_pytree_",
     "sum_gradients",
+    "sum_gradients_",
+    "sync",
     "broadcast_key",
     "check_same_key",
     "broadcast_parameters",
@@ -268,6 +272,143 @@ def reduce_pytree(tree: Any, op: str | dist.ReduceOp = "sum") -> Any:
     return _pytree.tree_unflatten(treedef, out)
 
 
+_BUCKET_BYTES = 32 * 2**20
+
+
+def reduce_pytree_(tree: Any, op: str | dist.ReduceOp = "sum", *, bucket_bytes: int = _BUCKET_BYTES) -> Any:
+    """Reduce every tensor leaf of ``tree`` over all ranks **in place**; returns ``tree``.
+
+    The in-place form of :func:`reduce_pytree`, for models where a second copy of every
+    gradient does not fit: a contiguous leaf of at least ``bucket_bytes`` is all-reduced where
+    it lies; smaller leaves are packed, per (dtype, device), into buckets of at most about
+    ``bucket_bytes`` (so the extra memory is one bucket, not a copy of the tree) and copied
+    back. Leaves are visited in the tree's traversal order (dict keys sorted), identically on
+    every rank, so every rank must pass a tree of the same structure, shapes and dtypes.
+
+    Args:
+        tree: a pytree of tensors (a ``ClippedPytree`` is refused: use :func:`sum_gradients_`).
+        op: as for :func:`all_reduce`.
+        bucket_bytes: the packing threshold and bucket size in bytes, >= 1 (default 32 MiB).
+
+    Returns:
+        ``tree`` itself, its leaves now holding the reduction (identical on every rank).
+        Without a process group the leaves are left as they are.
+
+    Raises:
+        InputTypeError: a leaf is not a tensor; ``tree`` is a DP output wrapper; a bad ``op``.
+        ConfigurationError: an unknown ``op``; ``"mean"`` of a non-floating leaf.
+
+    Example::
+
+        >>> g = {"w": torch.ones(3)}
+        >>> reduce_pytree_(g, "sum")["w"] is g["w"]  # one process: untouched, same tensor
+        True
+    """
+    red_op, mean = _op(op)
+    bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
+    leaves, _ = _pytree.tree_flatten(tree)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(f"reduce_pytree_ expects tensor leaves only, got {type(leaf).__name__}.")
+        if mean and not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
+            raise ConfigurationError(f"op='mean' needs floating tensors, got dtype {leaf.dtype}.")
+    if not is_distributed():
+        return tree
+    world = dist.get_world_size()
+
+    @torch.no_grad()
+    def finish(t: torch.Tensor) -> None:
+        if mean:
+            t.div_(world)
+
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def flush(members: list[torch.Tensor]) -> None:
+        if not members:
+            return
+        flat = torch.cat([m.detach().reshape(-1) for m in members])
+        dist.all_reduce(flat, op=red_op)
+        finish(flat)
+        for m, part in zip(members, flat.split([m.numel() for m in members])):
+            m.detach().copy_(part.view(m.shape))
+        members.clear()
+
+    with torch.no_grad():
+        for leaf in leaves:  # traversal order, identical on every rank
+            t = leaf.detach()
+            nbytes = t.numel() * t.element_size()
+            if nbytes >= bucket_bytes and t.is_contiguous():
+                dist.all_reduce(t, op=red_op)
+                finish(t)
+                continue
+            key = (t.dtype, t.device)
+            members = buckets.setdefault(key, [])
+            members.append(leaf)
+            if sum(m.numel() * m.element_size() for m in members) >= bucket_bytes:
+                flush(members)
+        for members in buckets.values():  # insertion order: identical on every rank
+            flush(members)
+    return tree
+
+
+def _sum_clipped(clipped: Any, reduce: Any, name: str) -> ClippedPytree:
+    if not isinstance(clipped, ClippedPytree):
+        if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
+            clipped = accumulate(clipped)
+        else:
+            raise InputTypeError(f"{name} expects a ClippedPytree, got {type(clipped).__name__}.")
+    if clipped.normalize_by is not None:
+        raise ConfigurationError(
+            f"{name} expects the unnormalised clipped sum; this one was divided by "
+            f"normalize_by={clipped.normalize_by}. DPOptimizer normalises after the reduction."
+        )
+    if not is_distributed():
+        return clipped
+    device = _collective_device()
+    c = float(clipped.clipping_norm)
+    bounds = all_reduce(torch.tensor([c, -c], dtype=torch.float64, device=device), "max")
+    if float(bounds[0]) != -float(bounds[1]):
+        raise ConfigurationError(
+            f"Ranks clip at different norms (from {-float(bounds[1])} to {float(bounds[0])}); "
+            "every rank must use the same clipping_norm."
+        )
+    counts = torch.tensor([clipped.num_examples, clipped.num_nonfinite], dtype=torch.int64, device=device)
+    counts = all_reduce(counts, "sum").tolist()
+    return dataclasses.replace(
+        clipped,
+        grads=reduce(clipped.grads),
+        num_examples=int(counts[0]),
+        num_nonfinite=int(counts[1]),
+        num_ranks=get_world_size(),
+    )
+
+
+def sum_gradients_(clipped: ClippedPytree | Sequence[ClippedPytree], *, bucket_bytes: int = _BUCKET_BYTES) -> ClippedPytree:
+    """:func:`sum_gradients` without a copy of the gradients: the tensors of ``clipped.grads``
+    are overwritten with the global sum (:func:`reduce_pytree_`), for models where a second copy
+    of every gradient does not fit.
+
+    Same guarantee, edge cases and call discipline as :func:`sum_gradients` (every rank, every
+    step, empty local batches included). After the call ``clipped.grads`` holds the *global*
+    sum: use only the returned ``ClippedPytree`` (its ``num_ranks`` is the world size; the
+    input still says 1, so ``DPOptimizer`` refuses the input object by mistake).
+
+    Returns:
+        A new ``ClippedPytree`` whose ``grads`` are the input's own tensors, reduced in place;
+        counts summed as in :func:`sum_gradients`. Without a process group: ``clipped`` itself.
+
+    Raises:
+        As :func:`sum_gradients`.
+
+    Example::
+
+        >>> total = sum_gradients_(step(x, y).clipped)  # doctest: +SKIP
+        >>> optimizer.step(total)                       # doctest: +SKIP
+    """
+    return _sum_clipped(clipped, lambda g: reduce_pytree_(g, "sum", bucket_bytes=bucket_bytes), "sum_gradients_")
+
+
 def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPytree:
     """Sum a :class:`ClippedPytree` over all ranks: the global clipped sum of one logical step.
 
@@ -302,35 +443,7 @@ def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPy
         >>> total = sum_gradients(step(x, y).clipped)  # doctest: +SKIP
         >>> optimizer.step(total)                      # doctest: +SKIP
     """
-    if not isinstance(clipped, ClippedPytree):
-        if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
-            clipped = accumulate(clipped)
-        else:
-            raise InputTypeError(f"sum_gradients expects a ClippedPytree, got {type(clipped).__name__}.")
-    if clipped.normalize_by is not None:
-        raise ConfigurationError(
-            f"sum_gradients expects the unnormalised clipped sum; this one was divided by "
-            f"normalize_by={clipped.normalize_by}. DPOptimizer normalises after the reduction."
-        )
-    if not is_distributed():
-        return clipped
-    device = _collective_device()
-    c = float(clipped.clipping_norm)
-    bounds = all_reduce(torch.tensor([c, -c], dtype=torch.float64, device=device), "max")
-    if float(bounds[0]) != -float(bounds[1]):
-        raise ConfigurationError(
-            f"Ranks clip at different norms (from {-float(bounds[1])} to {float(bounds[0])}); "
-            "every rank must use the same clipping_norm."
-        )
-    counts = torch.tensor([clipped.num_examples, clipped.num_nonfinite], dtype=torch.int64, device=device)
-    counts = all_reduce(counts, "sum").tolist()
-    return dataclasses.replace(
-        clipped,
-        grads=reduce_pytree(clipped.grads, "sum"),
-        num_examples=int(counts[0]),
-        num_nonfinite=int(counts[1]),
-        num_ranks=get_world_size(),
-    )
+    return _sum_clipped(clipped, lambda g: reduce_pytree(g, "sum"), "sum_gradients")
 
 
 # ----------------------------------------------------------------------------- shared state
@@ -403,6 +516,148 @@ def broadcast_parameters(module: nn.Module, *, src: int = 0) -> None:
         return
     for t in [*module.parameters(), *module.buffers()]:
         dist.broadcast(t.data, src=src)
+
+
+def _plain(x: Any) -> Any:
+    """A picklable, comparable form of a decoded configuration value."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", str(x.dtype), tuple(x.shape), x.detach().cpu().tolist())
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    if isinstance(x, oprandom.Key):
+        return ("key", x.words)
+    return x
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def sync(obj: Any, *, src: int = 0) -> Any:
+    """Bring any state object of this library, or a tree of them, into agreement across ranks.
+
+    Dispatches on the type through :mod:`opake_compile.serialization` (so every type with a
+    serializer works, user types included): the **configuration** of every object (for
+    example a ``DPOptimizer``'s noise multiplier, sample rate and dataset size, its accountant,
+    a ``ClipState``'s or ``DPStep``'s clipping norm, a sampler's q, N, steps and key, the world
+    size) must already agree, and the **state** (keys, step and call counts, a sampler's epoch
+    and position, an adaptive clipping norm, the wrapped optimizer's moments, parameters,
+    plain tensors and numbers) is set to rank ``src``'s everywhere. Fields that differ per
+    rank by design are kept: a ``DistributedPoissonSampler``'s ``rank`` and a ``DPStep``'s
+    dropout key. Stateful objects (modules, optimizers, ``DPOptimizer``, samplers, steps) are
+    updated in place; value types (keys, clip and noise states) come back in the result.
+
+    Typical use: after restoring a checkpoint on every rank, or to make sure an adaptive
+    clipping state (whose norm update draws noise) is the same on every rank.
+
+    Every rank must call it with a tree of the same structure. It is collective: one gather of
+    the metadata, one broadcast per dtype, one gather of the validation result.
+
+    Args:
+        obj: an object or a tree (dict, list, tuple, NamedTuple) of objects.
+        src: the rank whose state wins.
+
+    Returns:
+        The synchronised tree (stateful objects are the same objects). Without a process group:
+        ``obj`` itself.
+
+    Raises:
+        ConfigurationError: on every rank, naming the field, when ranks disagree on
+            configuration (e.g. a different sigma), or when rank ``src``'s state does not fit
+            another rank's objects (shapes, dtypes, structure); nothing has changed then.
+        InputTypeError: an object without a serializer (a ``ClippedPytree``: use
+            :func:`sum_gradients`).
+
+    Example::
+
+        >>> clip_state = sync(clip_state)           # doctest: +SKIP
+        >>> sync({"optimizer": opt, "sampler": sampler})  # doctest: +SKIP
+    """
+    from opake_compile import serialization as _ser
+
+    if isinstance(obj, ClippedPytree):
+        raise InputTypeError("sync brings state into agreement; a ClippedPytree is summed with sum_gradients.")
+    flat, meta = _ser.state_dict(obj)
+    if not is_distributed():
+        return obj
+    world = dist.get_world_size()
+    src = check_nonnegative_int(src, name="src")
+    if src >= world:
+        raise ConfigurationError(f"Expected src={src} < world_size={world}.")
+
+    # 1. Configuration must agree; local fields are set aside.
+    decoder = _ser._Decoder(flat)
+    config: dict[str, Any] = {}
+    local_keys: set[str] = set()
+    for path, ser, fields in _ser._object_fields(meta["tree"]):
+        for name in ser.local:
+            if name in fields:
+                local_keys.update(_ser._tensor_keys(fields[name]))
+        for name in ser.config:
+            if name in fields and name not in ser.local:
+                config[_ser._join(path, name)] = _plain(decoder.free(fields[name], _ser._join(path, name)))
+    signature = [(k, str(t.dtype), tuple(t.shape)) for k, t in flat.items()]
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {"config": config, "meta": meta, "signature": signature})
+    for name in sorted(set().union(*(g["config"] for g in gathered))):
+        values = [g["config"].get(name, "<missing>") for g in gathered]
+        odd = [r for r, v in enumerate(values) if not _same(v, values[src])]
+        if odd:
+            raise ConfigurationError(
+                f"{name}: ranks disagree on configuration (rank {src}: {values[src]!r}, rank {odd[0]}: "
+                f"{values[odd[0]]!r}); it cannot be reconciled: build every rank's objects with the same {name.rsplit('.', 1)[-1]}."
+            )
+
+    # 2. Rank src's tensors, one broadcast per dtype, into buffers shaped by its signature.
+    dtypes = {str(d): d for d in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)}
+    src_sig = gathered[src]["signature"]
+    device = _collective_device()
+    received: dict[str, torch.Tensor] = {}
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for k, dt, shape in src_sig:
+        if dt not in dtypes:
+            raise ConfigurationError(f"{k}: cannot broadcast dtype {dt}.")
+        groups.setdefault(dt, []).append((k, tuple(shape)))
+    for dt, members in groups.items():  # src's order: identical on every rank
+        dtype = dtypes[dt]
+        wire = torch.uint8 if dtype == torch.bool else dtype  # Gloo has no bool
+        sizes = [math.prod(shape) for _, shape in members]
+        if get_rank() == src:
+            buf = torch.cat([flat[k].detach().reshape(-1).to(device=device, dtype=wire) for k, _ in members])
+        else:
+            buf = torch.empty(sum(sizes), dtype=wire, device=device)
+        dist.broadcast(buf, src=src)
+        for (k, shape), part in zip(members, buf.split(sizes)):
+            received[k] = part.to(dtype).view(shape).cpu().clone()
+    for k in local_keys:  # rank-specific fields keep this rank's values
+        if k in flat and k in received:
+            received[k] = flat[k]
+
+    # 3. Validate rank src's state against this rank's objects everywhere, then commit.
+    decoder = _ser._Decoder(received)
+    error = None
+    try:
+        out = decoder.restore(obj, gathered[src]["meta"]["tree"], "")
+    except (CheckpointError, InputTypeError) as err:
+        error, out = f"{type(err).__name__}: {err}", None
+    errors: list[Any] = [None] * world
+    dist.all_gather_object(errors, error)
+    bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if bad:
+        r, e = bad[0]
+        raise ConfigurationError(f"sync: rank {src}'s state does not fit rank {r}'s objects ({e}). Nothing was changed.")
+    for commit in decoder.commits:
+        commit()
+    return out
 
 
 # ----------------------------------------------------------------------------- sampling

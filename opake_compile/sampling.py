@@ -35,7 +35,7 @@ from opake_compile.exceptions import CheckpointError, ConfigurationError, InputT
 
 __all__ = ["PoissonSampler", "Draw", "DrawId", "draw_of", "draw_loader"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
 _SAMPLER_IDS = itertools.count()
 
@@ -189,6 +189,10 @@ class PoissonSampler(Sampler[list[int]]):
         self._epoch = 0
         self._id = next(_SAMPLER_IDS)
         self._handed_out = 0
+        # Mid-epoch position, for checkpoints: (epoch, batches of it drawn so far) while an
+        # epoch is being iterated; a restored position makes the next iter() resume there.
+        self._position: tuple[int, int] | None = None
+        self._resume_at = 0
 
     # -- read-only configuration --------------------------------------------------------------
 
@@ -245,12 +249,16 @@ class PoissonSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         epoch = self._epoch
         self._epoch += 1
-        return self._iterate(epoch)
+        start, self._resume_at = self._resume_at, 0
+        self._position = (epoch, start)
+        return self._iterate(epoch, start)
 
-    def _iterate(self, epoch: int) -> Iterator[list[int]]:
+    def _iterate(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         epoch_key = oprandom.fold_in(self._key, epoch)
-        for step in range(self._steps):
-            yield self._draw(epoch_key, step, epoch)
+        for step in range(start, self._steps):
+            draw = self._draw(epoch_key, step, epoch)
+            self._position = (epoch, step + 1)  # counted as drawn once handed out
+            yield draw
 
     def _draw(self, epoch_key: oprandom.Key, step: int, epoch: int) -> Draw:
         """Hand out batch ``step`` of ``epoch`` as the next :class:`Draw`."""
@@ -286,10 +294,21 @@ class PoissonSampler(Sampler[list[int]]):
     # -- checkpointing ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch counter and the configuration it belongs to (plain Python values)."""
+        """The epoch counter, the position inside the epoch being iterated, and the
+        configuration they belong to (plain Python values).
+
+        Saved in the middle of an epoch (after ``k`` of its batches were handed out), ``epoch``
+        is that epoch and ``position`` is ``k``: a restored sampler's next ``iter()`` yields
+        batches ``k, k+1, ...`` of it, the ones the interrupted run would have drawn next.
+        (With a ``DataLoader`` that prefetches, ``k`` counts batches drawn, not consumed.)
+        """
+        epoch, position = self._epoch, self._resume_at
+        if self._position is not None and self._position[0] == self._epoch - 1 and self._position[1] < self._steps:
+            epoch, position = self._position
         return {
             "version": _STATE_VERSION,
-            "epoch": self._epoch,
+            "epoch": epoch,
+            "position": position,
             "key": oprandom.key_to_state(self._key),
             "dataset_size": self._dataset_size,
             "sample_rate": self._sample_rate,
@@ -313,7 +332,7 @@ class PoissonSampler(Sampler[list[int]]):
         missing = [k for k in required if k not in state]
         if missing:
             raise CheckpointError(f"PoissonSampler state lacks {missing}.")
-        if state["version"] != _STATE_VERSION:
+        if state["version"] not in (1, _STATE_VERSION):
             raise CheckpointError(f"Unknown PoissonSampler state version {state['version']!r}.")
         try:
             saved_key = oprandom.key_from_state(state["key"])
@@ -337,7 +356,14 @@ class PoissonSampler(Sampler[list[int]]):
         handed_out = state.get("draws_handed_out", 0)
         if isinstance(handed_out, bool) or not isinstance(handed_out, int) or handed_out < 0:
             raise CheckpointError(f"Invalid draws_handed_out {handed_out!r} in PoissonSampler state.")
+        position = state.get("position", 0)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= self._steps:
+            raise CheckpointError(f"Invalid position {position!r} in PoissonSampler state (steps={self._steps}).")
+        if position == self._steps:
+            epoch, position = epoch + 1, 0
         self._epoch = epoch
+        self._resume_at = position
+        self._position = None
         self._handed_out = handed_out
 
     def __repr__(self) -> str:

@@ -9,12 +9,15 @@ from typing import Any
 import optree
 import torch
 
+from opake_compile.compiler.passes.numerics import RHO
 from opake_compile.compiler.step import DPStep
 from opake_compile.compiler.trace import _LossModule
 from opake_compile.dpsgd.clipping import clipped_grad
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = ["VerificationReport", "verify"]
+
+_RHO = RHO[torch.float32]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,11 @@ class VerificationReport:
         sensitivity_ok: ``max_removal_change <= C * (1 + tolerance)``.
         examples_removed: how many examples the sensitivity check removed.
         coverage: parameter -> path taken in the compiled step.
+        norm_overestimate: max over examples of ``(compiled norm - reference norm) / reference
+            norm`` (0 if never above): how much harder than necessary the compiled step clips.
+            Above 1 % is over-clipping (a silent utility loss) and fails ``norms_ok``.
+        norm_underestimate: max over examples of ``(reference - compiled) / reference`` (0 if
+            never below); the numerical contract allows at most rho (2^-10 for float32).
     """
 
     max_abs_diff: float
@@ -39,17 +47,29 @@ class VerificationReport:
     sensitivity_ok: bool
     examples_removed: int
     coverage: dict[str, str]
+    norm_overestimate: float = 0.0
+    norm_underestimate: float = 0.0
+
+    #: Largest relative norm overestimate :attr:`norms_ok` accepts.
+    MAX_NORM_OVERESTIMATE = 0.01
+
+    @property
+    def norms_ok(self) -> bool:
+        """Per-example norms within 1 % above and rho below the eager reference."""
+        return self.norm_overestimate <= self.MAX_NORM_OVERESTIMATE and self.norm_underestimate <= _RHO
 
     @property
     def ok(self) -> bool:
-        return self.matches_reference and self.sensitivity_ok
+        return self.matches_reference and self.sensitivity_ok and self.norms_ok
 
     def __str__(self) -> str:
         return (
             f"compiled vs eager reference: max |diff| = {self.max_abs_diff:.3g} "
             f"(tolerance {self.tolerance:.3g}) -> {'OK' if self.matches_reference else 'MISMATCH'}\n"
             f"sensitivity: max ||S - S_-i|| = {self.max_removal_change:.6g} over {self.examples_removed} "
-            f"removal(s) -> {'OK' if self.sensitivity_ok else 'VIOLATED'}"
+            f"removal(s) -> {'OK' if self.sensitivity_ok else 'VIOLATED'}\n"
+            f"per-example norms vs reference: up to {100 * self.norm_overestimate:.3g} % above, "
+            f"{100 * self.norm_underestimate:.3g} % below -> {'OK' if self.norms_ok else 'OVER-CLIPPING' if self.norm_overestimate > self.MAX_NORM_OVERESTIMATE else 'TOO SMALL'}"
         )
 
 
@@ -66,7 +86,10 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     The reference is :func:`opake_compile.dpsgd.clipping.clipped_grad` (``vmap(grad)`` in eager
     mode) of the same per-example loss. The sensitivity check removes each of the first
     ``max_removals`` examples in turn and measures how much the clipped sum moves (at most C
-    for a correct DP step).
+    for a correct DP step). The per-example norms are compared in relative terms
+    (:attr:`VerificationReport.norm_overestimate`): a compiled norm above the reference means
+    the example is clipped harder than C asks, which is how over-clipping shows on a user's
+    own model.
 
     Args:
         step: a :class:`DPStep` from ``compile_dp``.
@@ -112,6 +135,12 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     eps = torch.finfo(dtype).eps
     c = step.clipping_norm
     tol = (rtol if rtol is not None else 100 * eps) * max(1.0, scale, 0.0 if math.isinf(c) else c)
+    got_n = result.clipped.per_example_norms.double()
+    ref_n = ref.per_example_norms.double().reshape(got_n.shape)
+    usable = torch.isfinite(ref_n) & torch.isfinite(got_n) & (ref_n > 0)
+    rel = (got_n[usable] - ref_n[usable]) / ref_n[usable]
+    over = float(rel.max().clamp_min(0)) if rel.numel() else 0.0
+    under = float((-rel).max().clamp_min(0)) if rel.numel() else 0.0
     n = result.clipped.num_examples
     removals = min(n, max_removals)
     worst = 0.0
@@ -127,4 +156,6 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         sensitivity_ok=worst <= c * (1 + tol) if not math.isinf(c) else True,
         examples_removed=removals,
         coverage=dict(result.coverage),
+        norm_overestimate=over,
+        norm_underestimate=under,
     )

@@ -31,6 +31,7 @@ from hypothesis.extra.numpy import arrays  # noqa: E402
 
 import opake_compile.jax as opj  # noqa: E402
 from opake_compile._validate import NotPrivateWarning  # noqa: E402
+from opake_compile.compiler.passes.numerics import effective_clipping_norm  # noqa: E402
 from opake_compile.dpsgd.clipping import clip_pytree, clipped_grad  # noqa: E402
 
 EPS32 = float(np.finfo(np.float32).eps)
@@ -48,6 +49,12 @@ clip_norms = st.one_of(st.floats(0.0625, 20.0, width=32), st.just(math.inf))
 
 
 # --- The two implementations -------------------------------------------------------------------
+
+
+def c_eff(c: float) -> np.float32:
+    """The clipping norm the torch side actually applies to float32 gradients, C / (1 + rho)
+    (``compiler/passes/numerics.py``): the JAX oracle clips to exactly the value it is given."""
+    return np.float32(effective_clipping_norm(float(c), torch.float32))
 
 
 def torch_clipped_mean(loss, params: dict[str, np.ndarray], x, y, c):
@@ -151,7 +158,7 @@ def linear_problems(draw):
 @given(problem=linear_problems())
 def test_linear_jax_matches_torch_clipped_grad(problem):
     w, b, x, y, c = (problem[k] for k in ("w", "b", "x", "y", "c"))
-    out = jax.jit(opj.clipped_mean_grad_linear)({"w": w, "b": b}, x, y, c)
+    out = jax.jit(opj.clipped_mean_grad_linear)({"w": w, "b": b}, x, y, c_eff(c))
     t_grads, t_norms = torch_clipped_mean(torch_linear_loss, {"w": w, "b": b}, x, y, c)
 
     assert_linear_matches(out, t_grads, t_norms, problem)
@@ -199,7 +206,7 @@ def mlp_magnitude(p, x, y):
 @given(problem=mlp_problems())
 def test_mlp_jax_matches_torch_clipped_grad(problem):
     p, x, y, c = problem["params"], problem["x"], problem["y"], problem["c"]
-    j_grads, j_norms = jax_mlp_clipped_mean(p, x, y, c)
+    j_grads, j_norms = jax_mlp_clipped_mean(p, x, y, c_eff(c))
     t_grads, t_norms = torch_clipped_mean(torch_mlp_loss, p, x, y, c)
 
     magnitude = mlp_magnitude(p, x, y)
@@ -288,7 +295,7 @@ def test_linear_jax_matches_the_compiled_step(problem):
     from opake_compile import compile_dp
 
     w, b, x, y, c = (problem[k] for k in ("w", "b", "x", "y", "c"))
-    out = jax.jit(opj.clipped_mean_grad_linear)({"w": w, "b": b}, x, y, c)
+    out = jax.jit(opj.clipped_mean_grad_linear)({"w": w, "b": b}, x, y, c_eff(c))
     model = _LinearModel(w, b)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)

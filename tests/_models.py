@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from opake_compile.compiler.passes.numerics import effective_clipping_norm
 from opake_compile.dpsgd.clipping import clipped_grad
 
 __all__ = [
@@ -233,7 +234,8 @@ def reference_clipped(model: nn.Module, loss_fn: Callable[..., torch.Tensor], ar
 
 def loop_reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args: tuple, clipping_norm: float) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The slowest, most obviously right oracle: a Python loop over examples at batch size one
-    with ``torch.autograd.grad``, global-norm clipping in float64, and a sum. All args batched."""
+    with ``torch.autograd.grad``, global-norm clipping in float64 to the effective clipping
+    norm ``C / (1 + rho)`` of the parameters' dtype, and a sum. All args batched."""
     params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     n = int(args[0].shape[0])
     total = {k: torch.zeros(p.shape, dtype=torch.float64) for k, p in params.items()}
@@ -246,7 +248,9 @@ def loop_reference(model: nn.Module, loss_fn: Callable[..., torch.Tensor], args:
         norms.append(norm)
         if not math.isfinite(norm):
             continue
-        factor = 1.0 if norm == 0 else min(1.0, clipping_norm / norm)
+        # The library's contract clips to C / (1 + rho) (compiler/passes/numerics.py).
+        c_eff = effective_clipping_norm(clipping_norm, next(iter(params.values())).dtype)
+        factor = 1.0 if norm == 0 else min(1.0, c_eff / norm)
         for k, g in zip(params, grads):
             total[k] += g.double() * factor
     return total, torch.tensor(norms, dtype=torch.float64)

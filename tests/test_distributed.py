@@ -186,9 +186,137 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["sampler"] = (sampler.rank, sampler.world_size, list(sampler.shard), sampler.batch_at(0, 0))
     res["local_shard"] = list(D.local_shard(torch.utils.data.TensorDataset(x)).indices)
 
+    # In-place reductions: small leaves packed into buckets, large ones reduced where they lie,
+    # a non-contiguous leaf; the same tensors come back, holding the sums.
+    res["inplace"] = _inplace_scenario(rank, x, y)
+    # sync: configuration must agree, state comes from rank 0, rank-local fields stay.
+    res["sync"] = _sync_scenario(rank)
+
     dist.barrier()
     dist.destroy_process_group()
     torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+def _inplace_tree(rank: int) -> dict:
+    big = torch.arange(40, dtype=torch.float32).reshape(8, 5) * (rank + 1)
+    return {
+        "big": big,  # 160 bytes >= bucket_bytes: reduced in place
+        "small": torch.full((3,), float(rank + 1)),
+        "ints": torch.tensor([rank, 10 * rank], dtype=torch.int64),
+        "strided": torch.arange(12, dtype=torch.float64).reshape(3, 4).t() * (rank + 1),  # not contiguous
+    }
+
+
+def _inplace_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict:
+    out: dict = {}
+    tree = _inplace_tree(rank)
+    ids = {k: id(v) for k, v in tree.items()}
+    expect = D.reduce_pytree(_inplace_tree(rank), "sum")
+    got = D.reduce_pytree_(tree, "sum", bucket_bytes=64)
+    out["same_objects"] = got is tree and all(id(tree[k]) == ids[k] for k in ids)
+    out["equals_copy_form"] = all(torch.equal(tree[k], expect[k]) for k in expect)
+    mean_tree = {"a": torch.full((2,), float(rank)), "b": torch.full((70,), 2.0 * rank, dtype=torch.float64)}
+    D.reduce_pytree_(mean_tree, "mean", bucket_bytes=64)
+    out["mean"] = mean_tree
+    case = mlp_case(0, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotPrivateWarning)
+        step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend=None, physical_batch_size=8)
+    local = _local(list(range(8)), rank)
+    copy_form = D.sum_gradients(step(x[local], y[local]).clipped)
+    clipped = step(x[local], y[local]).clipped
+    grads_ids = {k: id(v) for k, v in clipped.grads.items()}
+    inplace = D.sum_gradients_(clipped, bucket_bytes=64)
+    out["sum_gradients_"] = (
+        inplace.num_ranks == WORLD
+        and inplace.num_examples == copy_form.num_examples == 8
+        and all(id(inplace.grads[k]) == grads_ids[k] for k in grads_ids)
+        and all(torch.equal(inplace.grads[k], copy_form.grads[k]) for k in copy_form.grads)
+    )
+    return out
+
+
+def _pure_noise_steps(model: nn.Module, opt: DPOptimizer, k: int) -> None:
+    for _ in range(k):
+        opt.step(D.sum_gradients(ClippedPytree(
+            grads={n: torch.zeros_like(p) for n, p in model.named_parameters()}, clipping_norm=1.0,
+            per_example_norms=torch.zeros(0), num_examples=0, parameters=dict(model.named_parameters()),
+        )))
+
+
+def _sync_objects(rank: int, sigma: float = 1.0, width: int = 3) -> dict:
+    from opake_compile.dpsgd.clipping import AdaptiveClipState, ClipState
+    from opake_compile.dpsgd.noise import NoiseState
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(rank)
+        model = nn.Linear(4, width)
+    sampler = D.DistributedPoissonSampler(N, Q, key=oprandom.key(11))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), noise_multiplier=sigma, sampler=sampler, key=oprandom.key(20 + rank))
+    step = compile_dp(lambda m, a: m(a).sum(), model=model, clipping_norm=1.0, backend=None, key=oprandom.key(30 + rank))
+    return {
+        "model": model, "optimizer": opt, "sampler": sampler, "step": step,
+        "clip": ClipState(1.0), "adaptive": AdaptiveClipState(0.5 + rank, oprandom.key(40 + rank)),
+        "noise": NoiseState(oprandom.key(50 + rank)), "count": 7 * (rank + 1),
+    }
+
+
+def _sync_view(objs: dict) -> dict:
+    """What the tests compare: every state that sync must align, and the rank-local fields."""
+    return {
+        "params": _params(objs["model"]),
+        "opt": {k: v for k, v in objs["optimizer"].state_dict().items() if k != "optimizer"},
+        "moments": {i: s["momentum_buffer"].clone() for i, s in objs["optimizer"].optimizer.state_dict()["state"].items()},
+        "sampler": objs["sampler"].state_dict(),
+        "step": objs["step"].state_dict(),
+        "adaptive": objs["adaptive"], "noise": objs["noise"], "count": objs["count"],
+    }
+
+
+def _sync_scenario(rank: int) -> dict:
+    out: dict = {}
+    objs = _sync_objects(rank)
+    # Both ranks take two steps (a collective each) with their own noise keys, so parameters,
+    # moments and keys differ; rank 0 alone draws a batch and calls its step twice.
+    _pure_noise_steps(objs["model"], objs["optimizer"], 2)
+    if rank == 0:
+        next(iter(objs["sampler"]))
+        objs["step"](torch.randn(3, 4))
+        objs["step"](torch.randn(2, 4))
+    out["before"] = _sync_view(objs)
+    synced = D.sync(objs)
+    objs.update({k: synced[k] for k in ("adaptive", "noise", "count", "clip")})
+    out["after"] = _sync_view(objs)
+    out["same_objects"] = synced["optimizer"] is objs["optimizer"] and synced["model"] is objs["model"]
+    # Configuration that cannot be reconciled: a different sigma on rank 1.
+    bad = _sync_objects(rank, sigma=1.0 + rank)
+    snapshot = _sync_view(bad)
+    try:
+        D.sync(bad)
+        out["sigma_error"] = None
+    except ConfigurationError as err:
+        out["sigma_error"] = str(err)
+    out["sigma_unchanged"] = _same_view(snapshot, _sync_view(bad))
+    # Structure that does not fit: another width on rank 1 (detected on every rank).
+    bad = _sync_objects(rank, width=3 + rank)
+    snapshot = _sync_view(bad)
+    try:
+        D.sync({"model": bad["model"], "adaptive": bad["adaptive"]})
+        out["shape_error"] = None
+    except ConfigurationError as err:
+        out["shape_error"] = str(err)
+    out["shape_unchanged"] = _same_view(snapshot, _sync_view(bad))
+    return out
+
+
+def _same_view(a: dict, b: dict) -> bool:
+    def eq(x, y):
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(eq(x[k], y[k]) for k in x)
+        return x == y
+    return eq(a, b)
 
 
 # ----------------------------------------------------------------------------- the fixture
@@ -196,6 +324,9 @@ def _worker(rank: int, store: str, out: str) -> None:
 def runs(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+    # The workers import this checkout's package (not another installed copy).
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, str(r), str(tmp / "store"), str(tmp)],
@@ -346,6 +477,38 @@ def test_keys_collectives_and_parameters(runs):
         assert res["local_shard"] == list(range(r, N, WORLD))
 
 
+def test_in_place_reductions_reduce_where_the_tensors_lie(runs):
+    want = {k: sum(_inplace_tree(r)[k] for r in range(WORLD)) for k in _inplace_tree(0)}
+    for res in runs:
+        r = res["inplace"]
+        assert r["same_objects"] and r["equals_copy_form"] and r["sum_gradients_"]
+        assert torch.equal(r["mean"]["a"], torch.full((2,), 0.5))
+        assert torch.equal(r["mean"]["b"], torch.full((70,), 1.0, dtype=torch.float64))
+    assert all(torch.equal(want[k], D.reduce_pytree(_inplace_tree(0))[k] + _inplace_tree(1)[k]) for k in want)
+
+
+def test_sync_aligns_state_and_keeps_rank_local_fields(runs):
+    r0, r1 = runs[0]["sync"], runs[1]["sync"]
+    assert not _same_view(r0["before"], r1["before"])  # the scenario starts out of agreement
+    assert r0["same_objects"] and r1["same_objects"]
+    assert _same_view(r0["after"], r0["before"])  # rank 0 is the source: unchanged
+    a0, a1 = r0["after"], r1["after"]
+    assert _same_view(a1["params"], a0["params"]) and _same_view(a1["moments"], a0["moments"])
+    assert a1["opt"] == a0["opt"] and a1["opt"]["steps"] == 2
+    assert a1["adaptive"] == a0["adaptive"] and a1["noise"] == a0["noise"] and a1["count"] == 7
+    assert a1["sampler"] == {**a0["sampler"], "rank": 1} and a1["sampler"]["position"] == 1
+    assert a1["step"]["num_calls"] == 2 and a1["step"]["key"] == r1["before"]["step"]["key"] != a0["step"]["key"]
+
+
+def test_sync_refuses_configuration_and_structure_it_cannot_reconcile(runs):
+    for res in runs:
+        s = res["sync"]
+        assert s["sigma_error"] is not None and s["sigma_error"].startswith("optimizer.noise_multiplier: ranks disagree")
+        assert s["sigma_unchanged"]
+        assert s["shape_error"] is not None and "model.weight" in s["shape_error"]
+        assert s["shape_unchanged"]
+
+
 # ----------------------------------------------------------------------------- one process
 def test_helpers_without_process_group():
     assert not D.is_distributed() and D.get_rank() == 0 and D.get_world_size() == 1
@@ -367,6 +530,9 @@ def test_helpers_without_process_group():
     assert D.sum_gradients(clipped) is clipped
     acc = D.sum_gradients([clipped, clipped])
     assert acc.num_examples == 2 and torch.equal(acc.grads["w"], torch.full((2,), 2.0))
+    assert D.reduce_pytree_(tree, "sum") is tree and torch.equal(tree["a"], torch.arange(3.0))
+    assert D.sum_gradients_(clipped) is clipped
+    assert D.sync(tree) is tree
 
 
 def test_helpers_validate_arguments():

@@ -17,6 +17,7 @@ from _models import conv2d_case, embedding_case, lora_case, mlp_case, seeded
 from opake_compile import compile_dp, verify
 from opake_compile.compiler._graph_utils import nodes_with_role
 from opake_compile.compiler.passes import PassReport
+from opake_compile.compiler.passes.numerics import effective_clipping_norm
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 
@@ -34,8 +35,9 @@ def test_correct_step_verifies(factory, dtype):
     assert report.matches_reference and report.sensitivity_ok
     assert report.max_abs_diff <= report.tolerance
     assert report.examples_removed == 3
-    # With C this small every example is clipped: removing one moves the sum by exactly C.
-    assert report.max_removal_change == pytest.approx(0.05, rel=1e-4)
+    # With C this small every example is clipped: removing one moves the sum by exactly the
+    # effective clipping norm C / (1 + rho) (compiler/passes/numerics.py).
+    assert report.max_removal_change == pytest.approx(effective_clipping_norm(0.05, dtype), rel=1e-4)
     assert set(report.coverage) == {k for k, p in case.model.named_parameters() if p.requires_grad}
     text = str(report)
     assert "OK" in text and "MISMATCH" not in text and "VIOLATED" not in text
@@ -87,7 +89,7 @@ def test_detects_a_scaled_result(monkeypatch):
     report = verify(step, *args)
     assert not report.matches_reference
     assert not report.sensitivity_ok  # 1.5 C > C
-    assert report.max_removal_change == pytest.approx(0.15, rel=1e-4)
+    assert report.max_removal_change == pytest.approx(1.5 * effective_clipping_norm(0.1, torch.float32), rel=1e-4)
 
 
 def test_detects_a_subtle_mismatch_within_sensitivity(monkeypatch):
@@ -139,3 +141,28 @@ def test_checks_randomness_of_the_graph_this_call_uses():
     model.train()
     with pytest.raises(ConfigurationError):
         verify(step, x, y)
+
+
+def _inflate_norms(gm):
+    """A broken 'rewrite' that over-clips: every squared norm 21 % too large (norms +10 %),
+    the kind of error a too-pessimistic rounding guard makes."""
+    graph = gm.graph
+    for name, sq in nodes_with_role(graph, "sq_norm").items():
+        with graph.inserting_after(sq):
+            big = graph.call_function(torch.ops.aten.mul.Tensor, (sq, 1.21))
+        big.meta["val"] = sq.meta["val"]
+        sq.replace_all_uses_with(big)
+        big.args = (sq, 1.21)
+    return PassReport(name="inflate_norms", modified=True, coverage={})
+
+
+def test_reports_over_clipping_in_relative_terms():
+    case = mlp_case(seed=3, dtype=torch.float64)
+    args = case.make_batch(6, 1)
+    good = verify(_step(case, 0.05), *args)
+    assert good.norms_ok and good.norm_overestimate <= 1e-9 and good.norm_underestimate <= 1e-9
+    report = verify(_step(case, 0.05, rewrites=[_inflate_norms]), *args)
+    assert report.norm_overestimate == pytest.approx(0.1, rel=1e-6)
+    assert report.norm_underestimate == 0.0
+    assert not report.norms_ok and not report.ok
+    assert "OVER-CLIPPING" in str(report)

@@ -24,11 +24,14 @@ from opake_compile._markers import reject_dp_output
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
+from opake_compile.compiler.passes import numerics as _num
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
-from opake_compile.exceptions import ConfigurationError, InputTypeError
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 
 __all__ = ["DPStep", "DPStepResult", "compile_dp"]
+
+_STATE_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -39,7 +42,8 @@ class DPStepResult:
         loss: **not privatised.** 0-d tensor: the mean per-example loss over the real examples
             (NaN for an empty batch). For a mean-reduced batch loss this is the batch loss.
         clipped: the :class:`ClippedPytree` (unnormalised sum of clipped per-example gradients
-            of the trainable parameters, keyed like ``named_parameters()``).
+            of the trainable parameters, keyed like ``named_parameters()``), in float32 for
+            float32 and lower-precision parameters, float64 for float64 ones.
         coverage: parameter name -> the path its per-example gradient took
             (``"materialized"`` or a rewrite rule such as ``"ghost:linear"``).
     """
@@ -105,6 +109,7 @@ class DPStep:
         self._constants: dict[Any, torch.Tensor] = {}
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
+        self._num_calls = 0
 
     # ------------------------------------------------------------------ public
     @property
@@ -133,13 +138,68 @@ class DPStep:
         if not trainable:
             raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
         if n == 0:
+            self._num_calls += 1
             return self._empty_result(params, trainable)
         if self.physical_batch_size is None:
             self.physical_batch_size = _default_physical_batch_size(n)
         p = self.physical_batch_size
         sig = self._signature(args, batched, trainable, p, params, modes)
         compiled = self._get_compiled(sig, args, batched, p)
-        return self._run(compiled, args, batched, n, params, buffers, trainable)
+        result = self._run(compiled, args, batched, n, params, buffers, trainable)
+        self._num_calls += 1
+        return result
+
+    @property
+    def num_calls(self) -> int:
+        """How many calls returned a result (empty batches included)."""
+        return self._num_calls
+
+    # ------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The step's random key (it draws the dropout masks of the loss), its call count and
+        the clipping norm it was built with (checked on load). Plain Python values; the
+        compiled graphs are not state (they are rebuilt on the first call).
+
+        Example::
+
+            >>> sd = step.state_dict()                       # doctest: +SKIP
+            >>> fresh.load_state_dict(sd)                    # doctest: +SKIP
+        """
+        return {
+            "version": _STATE_VERSION,
+            "key": _random.key_to_state(self._key),
+            "num_calls": self._num_calls,
+            "clipping_norm": self._clipping_norm,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the next call draws the randomness the saved step's next
+        call would have drawn.
+
+        Raises:
+            CheckpointError: missing fields, another version, an invalid key or count, or a
+                different clipping norm. Nothing changes then.
+        """
+        required = ("version", "key", "num_calls", "clipping_norm")
+        if not isinstance(state, Mapping) or any(k not in state for k in required):
+            have = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise CheckpointError(f"DPStep state needs {list(required)}, got {have}.")
+        if state["version"] != _STATE_VERSION:
+            raise CheckpointError(f"DPStep state version {state['version']!r} is not {_STATE_VERSION}.")
+        if state["clipping_norm"] != self._clipping_norm:
+            raise CheckpointError(
+                f"DPStep state has clipping_norm={state['clipping_norm']!r}, this step "
+                f"{self._clipping_norm!r}: build the step with the saved clipping norm."
+            )
+        try:
+            key = _random.key_from_state(state["key"])
+        except InputTypeError as err:
+            raise CheckpointError(f"Invalid key in DPStep state: {err}") from err
+        calls = state["num_calls"]
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+            raise CheckpointError(f"Invalid num_calls {calls!r} in DPStep state.")
+        self._key = key
+        self._num_calls = calls
 
     def describe(self) -> str:
         """Which path each trainable parameter took, and what each pass did, as text."""
@@ -313,7 +373,11 @@ class DPStep:
     def _empty_result(self, params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> DPStepResult:
         device = params[trainable[0]].device
         clipped = ClippedPytree(
-            grads={k: torch.zeros_like(params[k], memory_format=torch.contiguous_format).detach() for k in trainable},
+            # Released sums are float32 at least (compiler/passes/numerics.py), empty or not.
+            grads={
+                k: torch.zeros(params[k].shape, dtype=_num.sum_dtype(params[k].dtype), device=device)
+                for k in trainable
+            },
             clipping_norm=self.clipping_norm,
             per_example_norms=torch.zeros(
                 0,

@@ -34,6 +34,7 @@ import torch
 from opake_compile import pytree as _pt
 from opake_compile._markers import reject_dp_output
 from opake_compile._validate import NotPrivateWarning, check_batch_size, check_clipping_norm
+from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -102,16 +103,10 @@ def clip_pytree(tree: Any, clipping_norm: Any) -> tuple[Any, torch.Tensor]:
     return clipped, norm
 
 
-def per_example_global_norms(per_example_tree: Any) -> torch.Tensor:
-    """Global L2 norms of a batch of per-example trees.
-
-    Args:
-        per_example_tree: a pytree whose tensor leaves all have a leading batch dimension B.
-
-    Returns:
-        Shape ``(B,)``, ``sqrt(sum over leaves and entries of g_i^2)``, accumulated in at least
-        float32 (float64 if any leaf is float64).
-    """
+def _per_example_sq_norms(per_example_tree: Any) -> tuple[torch.Tensor, torch.dtype]:
+    """``(sum of squares per example in float64, the sum dtype)``: the squares of float32 and
+    lower values are exact in float64 and cannot underflow there (see
+    :mod:`opake_compile.compiler.passes.numerics`)."""
     leaves = _pt.tree_leaves(per_example_tree)
     if not leaves:
         raise InputTypeError("per_example_global_norms needs at least one tensor leaf.")
@@ -119,9 +114,32 @@ def per_example_global_norms(per_example_tree: Any) -> torch.Tensor:
     total = None
     for leaf in leaves:
         x = torch.view_as_real(leaf.resolve_conj()) if leaf.dtype.is_complex else leaf  # |z|^2 = re^2 + im^2
-        sq = x.to(acc).reshape(x.shape[0], -1).square().sum(dim=1)
+        sq = x.to(_num.NORM_DTYPE).reshape(x.shape[0], -1).square().sum(dim=1)
         total = sq if total is None else total + sq
-    return total.sqrt()
+    return total, acc
+
+
+def per_example_global_norms(per_example_tree: Any) -> torch.Tensor:
+    """Global L2 norms of a batch of per-example trees.
+
+    Args:
+        per_example_tree: a pytree whose tensor leaves all have a leading batch dimension B.
+
+    Returns:
+        Shape ``(B,)``, ``sqrt(sum over leaves and entries of g_i^2)``, accumulated in float64
+        and returned in float32 (float64 if any leaf is float64).
+    """
+    total, acc = _per_example_sq_norms(per_example_tree)
+    return total.sqrt().to(acc)
+
+
+def _round_down(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Non-negative float64 ``x`` cast to ``dtype`` rounding toward zero (eager twin of
+    :func:`~opake_compile.compiler.passes.numerics.emit_round_down`)."""
+    if x.dtype == dtype:
+        return x
+    y = x.to(dtype)
+    return torch.where(y.to(x.dtype) > x, torch.nextafter(y, torch.zeros_like(y)), y)
 
 
 def clip_and_sum(
@@ -129,30 +147,38 @@ def clip_and_sum(
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """Clip each example of a batched tree to ``clipping_norm`` and sum over the batch.
 
+    The numerical contract of :mod:`opake_compile.compiler.passes.numerics` holds here as in
+    the compiled step, and both clip alike: norms and factors in float64, each factor
+    ``min(1, C_eff / ||g_i||)`` with ``C_eff = C / (1 + rho)`` (rho: 2^-10 for float32 sums,
+    2^-40 for float64) rounded down, sums in float32 at least (bfloat16 and float16 leaves get
+    float32 sums), so that one example moves the sum by at most C.
+
     Args:
         per_example_tree: pytree of tensors of shape ``(B, *leaf_shape)``.
         clipping_norm: C > 0 or ``math.inf`` (already validated).
         mask: optional bool ``(B,)``; ``False`` rows contribute exactly zero (padding).
 
     Returns:
-        ``(summed_tree, norms, kept)``: leaves of shape ``leaf_shape`` and the input dtype,
-        the ``(B,)`` norms before clipping, and the bool ``(B,)`` of rows that contributed
-        (finite norm and in the mask).
+        ``(summed_tree, norms, kept)``: leaves of shape ``leaf_shape`` in the sum dtype
+        (float32, or float64 if any leaf is float64), the ``(B,)`` norms before clipping, and
+        the bool ``(B,)`` of rows that contributed (finite norm and in the mask).
     """
-    norms = per_example_global_norms(per_example_tree)
-    kept = torch.isfinite(norms)
+    sq, acc = _per_example_sq_norms(per_example_tree)
+    norms64 = sq.sqrt()
+    kept = torch.isfinite(norms64)
     if mask is not None:
-        kept = kept & mask.to(device=norms.device, dtype=torch.bool)
-    factor = torch.clamp(clipping_norm / norms, max=1.0)
-    factor = torch.where(kept, factor, torch.zeros_like(factor))
+        kept = kept & mask.to(device=norms64.device, dtype=torch.bool)
+    c_eff = clipping_norm * _num.clip_scale(acc)
+    factor = torch.clamp(c_eff / norms64, max=1.0)
+    factor = _round_down(torch.where(kept, factor, torch.zeros_like(factor)), acc)
 
     def weighted_sum(g: torch.Tensor) -> torch.Tensor:
         shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
         selected = torch.where(shaped, g, torch.zeros_like(g))
         f = factor.reshape(-1, *([1] * (g.dim() - 1)))
-        return (selected.to(factor.dtype) * f).sum(dim=0).to(g.dtype)
+        return (selected.to(acc) * f).sum(dim=0)
 
-    return optree.tree_map(weighted_sum, per_example_tree), norms, kept
+    return optree.tree_map(weighted_sum, per_example_tree), norms64.to(acc), kept
 
 
 def _normalise_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -488,7 +514,7 @@ def auto_clipped_grad(
         def wsum(g: torch.Tensor) -> torch.Tensor:
             shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
             sel = torch.where(shaped, g, torch.zeros_like(g))
-            return (sel.to(factor.dtype) * factor.reshape(shaped.shape)).sum(0).to(g.dtype)
+            return (sel.to(factor.dtype) * factor.reshape(shaped.shape)).sum(0)
 
         return optree.tree_map(wsum, grads), norms, kept
 

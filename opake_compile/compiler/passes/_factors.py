@@ -37,10 +37,12 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
+from opake_compile.compiler.passes.numerics import FLOAT32_TINY, NORM_DTYPE, emit_sq_sum, gamma, unit_roundoff
 
 aten = torch.ops.aten
 
 __all__ = [
+    "GRAM_COST_FACTOR",
     "Factor",
     "ghost_cost",
     "materialized_cost",
@@ -89,16 +91,22 @@ def materialized_cost(factors: list[Factor], p: int) -> int:
     return p * r * c * (sum(f.k for f in factors) + 2)
 
 
+#: Relative cost of a float64 matrix product to a float32 one (the Gram matrices are float64,
+#: :func:`emit_sq_norm`): about 2 on CPUs and on data-centre GPUs without TF32.
+GRAM_COST_FACTOR = 2
+
+
 def ghost_cost(factors: list[Factor], p: int) -> int:
     """Cost of the Gram-matrix norms: per pair of terms, ``P K_f K_g (R + C)`` for dense left
     factors, ``P K_f K_g (1 + C)`` when a one-hot factor turns its Gram into a gather or a
-    comparison. (The book-keeping sum costs what the non-private weight gradient costs.)"""
+    comparison, times :data:`GRAM_COST_FACTOR`. (The book-keeping sum costs what the
+    non-private weight gradient costs.)"""
     total = 0
     for f in factors:
         for g in factors:
             left = 1 if (f.onehot or g.onehot) else f.rows
             total += p * f.k * g.k * (left + f.cols)
-    return total
+    return GRAM_COST_FACTOR * total
 
 
 def _as_dtype(em: Emitter, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -171,8 +179,18 @@ def _b_key(f: Factor) -> object:
     return value_key(f.b)
 
 
-def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: dict | None = None) -> fx.Node:
-    """Per-example squared Frobenius norm of ``sum_j A^j B^j``, shape (P,), in ``acc``.
+def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) -> tuple[fx.Node, fx.Node]:
+    """Ghost norm: an upper bound on the per-example squared Frobenius norm of
+    ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
+
+    Error analysis (:mod:`.numerics`, point 1): every Gram entry, product and sum is evaluated
+    in float64 from the float32 (or lower) factors, whose products are exact there; the
+    result is within ``n u_64 S^2`` of the exact squared norm (n terms in the longest chain,
+    ``S = sum over positions of ||a_k|| ||b_k||``, read off the Gram diagonals), and that
+    bound is added. No square can underflow or overflow in float64.
+
+    Returns:
+        ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
 
     ``grams``: a cache shared by the parameters of one graph. Layers that read the same input
     (q/k/v or gate/up projections, LoRA adapters next to each other) have the same right
@@ -180,6 +198,7 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
     parameter precede every later parameter's norm, so reusing them keeps the graph ordered.
     """
     grams = {} if grams is None else grams
+    acc = NORM_DTYPE
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -213,55 +232,63 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], acc: torch.dtype, grams: di
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
-    if sum(f.k for f in factors) > 1:
-        total = _guard_cancellation(em, factors, s_parts, total, acc)
-    return total
-
-
-#: The Gram form's result is trusted when it exceeds this many times a realistic estimate of
-#: its rounding error; below that it is replaced by an upper bound (see _guard_cancellation).
-_TRUST = 256.0
-
-
-def _unit_roundoff(acc: torch.dtype) -> float:
-    if acc == torch.float32 and torch.get_float32_matmul_precision() != "highest":
-        return 2.0**-8  # TF32 / bf16 products may be used for float32 matmuls
-    return torch.finfo(acc).eps / 2
-
-
-def _guard_cancellation(em: Emitter, factors: list[Factor], s_parts: list[fx.Node], sq: fx.Node, acc: torch.dtype) -> fx.Node:
-    """Fail closed when the Gram form may have cancelled.
-
-    ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs whose magnitudes are bounded
-    by ``S^2``, ``S = sum_k ||a_k|| ||b_k||`` over every term's positions (``s_parts``, one
-    per term, read off the Gram diagonals). When the squared norm is tiny next to ``S^2``
-    (positions whose gradients nearly cancel), rounding can make it far too small, the clip
-    factor too large and the example's contribution exceed C. Where ``sq`` is not at least
-    ``_TRUST`` times a realistic error estimate (``4 sqrt(n) u S^2``), it is replaced by
-    ``sq + 2 n u S^2``, above the worst-case rounding bound: the example is clipped harder than
-    needed, never less. Typical examples (``sq ~ S^2 / K``) keep their Gram value unchanged."""
     s = s_parts[0]
     for part in s_parts[1:]:
         s = em(aten.add.Tensor, s, part)
+    mass_sq = em(aten.mul.Tensor, s, s)
+    if sum(f.k for f in factors) > 1:
+        total = _bound_rounding(factors, total, mass_sq, em)
+    return total, mass_sq
+
+
+def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Emitter) -> fx.Node:
+    """``sq + 2 n u S^2``: above the exact squared norm whatever the rounding.
+
+    ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs bounded by ``S^2``; each
+    Gram entry is a dot product of length R (or C) and the final sum has K^2 terms, so the
+    computed value is within ``n u S^2`` of the exact one (n = R + C + K^2 + 4, a factor 2
+    of margin on top). In float64 that is ~10^-10 S^2: invisible on ordinary examples
+    (``sq ~ S^2 / K``), decisive on positions that nearly cancel, where the Gram value alone
+    could be far too small and the clip factor too large."""
     n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
-    u = _unit_roundoff(acc)
-    bound = em(aten.mul.Tensor, s, s)
-    trusted = em(aten.ge.Tensor, sq, em(aten.mul.Tensor, bound, _TRUST * 4.0 * math.sqrt(n) * u))
-    safe = em(aten.add.Tensor, sq, em(aten.mul.Tensor, bound, 2.0 * n * u))
-    return em(aten.where.self, trusted, sq, safe)
+    return em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))))
 
 
-def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> fx.Node:
-    """Per-example squared norm by forming ``G_i = sum_j A^j_i B^j_i`` (dense factors only):
-    cheaper than the Gram form when K (R + C) > R C, e.g. early convolutions with many output
-    positions. Only the norm materialises; the sum stays book-keeping."""
+def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> tuple[fx.Node, fx.Node]:
+    """Per-example squared norm by forming ``G_i = sum_j A^j_i B^j_i`` in the sum dtype
+    ``acc`` (dense factors only): cheaper than the Gram form when K (R + C) > R C, e.g. long
+    sequences. Only the norm materialises; the sum stays book-keeping.
+
+    Error analysis (:mod:`.numerics`, point 1): the product is a different evaluation from
+    the book-keeping sum, so its norm alone can be below the norm of what the sum adds.
+    Each entry of the float32 product is within ``gamma_{K+J} sum_t |a_t| |b_t|`` of the
+    exact one (J terms), so ``||G_exact|| <= ||G~|| + gamma_{K+J} S + K sqrt(R C) 2^-149``
+    (the last term: products that underflow); that bound is returned, squared.
+
+    Returns:
+        ``(sq, mass_sq)`` in float64, shape (P,).
+    """
     p = shape(factors[0].b)[0]
+    nd = NORM_DTYPE
     g = None
+    s = None
     for f in factors:
-        term = em(aten.bmm.default, _as_dtype(em, f.a, acc), _as_dtype(em, f.b, acc))
+        a_acc, b_acc = _as_dtype(em, f.a, acc), _as_dtype(em, f.b, acc)
+        term = em(aten.bmm.default, a_acc, b_acc)
         g = term if g is None else em(aten.add.Tensor, g, term)
-    flat = em(aten.reshape.default, g, [p, -1])
-    return em(aten.sum.dim_IntList, em(aten.mul.Tensor, flat, flat), [1])
+        # Per-position norms in float64: ||a_k|| over R, ||b_k|| over C.
+        na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, f.a, nd)), [1])
+        nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
+        part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
+        s = part if s is None else em(aten.add.Tensor, s, part)
+    norm = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, g, [p, -1])))
+    k_total = sum(f.k for f in factors) + len(factors)
+    r, c = factors[0].rows, factors[0].cols
+    slack = em(aten.mul.Tensor, s, gamma(k_total, unit_roundoff(acc, matmul=True)))
+    if acc != torch.float64:
+        slack = em(aten.add.Tensor, slack, k_total * math.sqrt(r * c) * FLOAT32_TINY)
+    bound = em(aten.add.Tensor, norm, slack)
+    return em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
 
 
 def emit_clipped_sum(

@@ -2,24 +2,31 @@
 
 Input graph (from :mod:`opake_compile.compiler.trace`)::
 
-    placeholders: params..., others..., C (0-d), mask (P,) bool, args...
+    placeholders: params..., others..., C (0-d float64), mask (P,) bool, args...
     output: (losses (P,), G_1 (P, *s_1), ..., G_k (P, *s_k))
 
 Output graph::
 
     output: (losses (P,), norms (P,), kept (P,) bool, S_1 (*s_1), ..., S_k (*s_k))
 
-with, in the accumulation dtype (at least float32)::
+with norms computed in float64 (reported in the sum dtype) and sums in the sum dtype ``acc`` (float32, or float64 when a gradient
+is float64; never lower than float32)::
 
-    sq_p     = sum over entries of G_p[i]^2                    (tagged "sq_norm", p)
+    sq_p     = sum over entries of G_p[i]^2   (float64)          (tagged "sq_norm", p)
+    mass_p   = sq_p                           (float64)          (tagged "sum_mass", p)
     norms    = sqrt(sum_p sq_p)
     kept     = isfinite(norms) & mask
-    factor   = where(kept, min(1, C / norms), 0)                (tagged "clip_factor")
-    S_p      = sum_i factor[i] * where(kept[i], G_p[i], 0)      (tagged "clipped_sum", p)
+    denom    = max(norms, sqrt(sum_p mass_p) / KAPPA)
+    factor   = where(kept, min(1, C_eff / denom), 0) rounded down to acc  (tagged "clip_factor")
+    S_p      = sum_i factor[i] * where(kept[i], G_p[i], 0)     (acc)   (tagged "clipped_sum", p)
+
+``C_eff = C / (1 + rho)``, rho a slack for the rounding of the sum that depends only on the
+sum dtype. See :mod:`.numerics` for the error analysis that makes one example move the released
+sum by at most C.
 
 Non-finite examples are removed with a select, never by multiplying with zero (0 * NaN = NaN).
-Rewrite passes replace ``sq_p`` and ``S_p`` for the parameters they match; ``G_p`` then becomes
-dead and is never materialised.
+Rewrite passes replace ``sq_p``, ``mass_p`` and ``S_p`` for the parameters they match; ``G_p``
+then becomes dead and is never materialised.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, set_role, shape, val
+from opake_compile.compiler.passes import numerics
 from opake_compile.compiler.passes._base import PassReport
 
 aten = torch.ops.aten
@@ -36,7 +44,8 @@ __all__ = ["insert_clipping", "accumulation_dtype", "emit_weighted_sum"]
 
 
 def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
-    """float64 if any gradient is float64, else float32 (low precision is promoted)."""
+    """The sum dtype: float64 if any gradient is float64, else float32 (low precision is
+    promoted: a bfloat16 sum would round on a grid proportional to its own magnitude)."""
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
@@ -44,7 +53,12 @@ def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -
     """``sum_i factor[i] * where(kept[i], g[i], 0)`` for g of shape (P, ...), in ``factor``'s dtype.
 
     Written as one select-multiply-reduce so that the backend fuses it into a single reduction
-    over examples: no masked copy of ``g`` is ever stored (a matrix product would need one)."""
+    over examples: no masked copy of ``g`` is ever stored (a matrix product would need one).
+
+    Error analysis: each entry is a sum of P products ``f_i g_i``; whatever the order, its
+    error is at most ``gamma_P sum_i f_i |g_i|``, so in Frobenius norm at most
+    ``gamma_P sum_i f_i ||g_i||`` and the norm and the sum read the same ``g_i``
+    (:mod:`.numerics`, case "materialised")."""
     p = shape(g)
     bshape = [p[0]] + [1] * (len(p) - 1)
     acc = val(factor).dtype
@@ -72,32 +86,34 @@ def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_in
     c_node, mask_node = placeholders[clip_input], placeholders[clip_input + 1]
     em = Emitter(graph, before=out_node)
     acc = accumulation_dtype([val(g).dtype for g in grads])
-    total = None
+    nd = numerics.NORM_DTYPE
+    total = mass = None
     for name, g in zip(param_names, grads):
         p = shape(g)
-        flat = em(aten.reshape.default, g, [p[0], -1])
-        if val(flat).dtype != acc:
-            flat = em(aten._to_copy.default, flat, dtype=acc)
-        sq = set_role(em(aten.sum.dim_IntList, em(aten.mul.Tensor, flat, flat), [1]), "sq_norm", name)
+        sq = set_role(numerics.emit_sq_sum(em, em(aten.reshape.default, g, [p[0], -1])), "sq_norm", name)
+        # What enters this parameter's sum from example i is f_i g_i itself: its mass is its norm.
+        m = set_role(em(aten.mul.Tensor, sq, 1.0), "sum_mass", name)
         total = sq if total is None else em(aten.add.Tensor, total, sq)
+        mass = m if mass is None else em(aten.add.Tensor, mass, m)
     norms = em(aten.sqrt.default, total)
     finite = em(aten.isfinite.default, norms)
     kept = set_role(em(aten.logical_and.default, finite, mask_node), "kept", "")
-    c_acc = em(aten._to_copy.default, c_node, dtype=acc)
-    ratio = em(aten.clamp_max.default, em(aten.div.Tensor, c_acc, norms), 1.0)
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
-    factor = set_role(em(aten.where.self, kept, ratio, zero), "clip_factor", "")
+    c_nd = em(aten._to_copy.default, c_node, dtype=nd)
+    c_eff = em(aten.mul.Tensor, c_nd, numerics.clip_scale(acc))
+    denom = em(aten.maximum.default, norms, em(aten.mul.Tensor, em(aten.sqrt.default, mass), 1.0 / numerics.KAPPA))
+    ratio = em(aten.clamp_max.default, em(aten.div.Tensor, c_eff, denom), 1.0)
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=nd)
+    factor_nd = em(aten.where.self, kept, ratio, zero)
+    factor = set_role(numerics.emit_round_down(em, factor_nd, acc), "clip_factor", "")
     sums = []
     for name, g in zip(param_names, grads):
-        summed = emit_weighted_sum(em, kept, factor, g)
-        if val(summed).dtype != val(g).dtype:
-            summed = em(aten._to_copy.default, summed, dtype=val(g).dtype)
-        sums.append(set_role(summed, "clipped_sum", name))
-    out_node.args = ((losses, norms, kept, *sums),)
+        sums.append(set_role(emit_weighted_sum(em, kept, factor, g), "clipped_sum", name))
+    # Reported in the sum dtype (float32 or float64), like the eager reference.
+    reported = norms if acc == nd else em(aten._to_copy.default, norms, dtype=acc)
+    out_node.args = ((losses, reported, kept, *sums),)
     return PassReport(
         name="insert_clipping",
         modified=True,
         matches={"clipped_parameters": n_params},
         coverage={n: "materialized" for n in param_names},
     )
-

@@ -20,7 +20,7 @@ Parameters with no match keep the materialised path; the report says which path 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,7 @@ from opake_compile.exceptions import ConfigurationError
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "WHOLE_RULES", "BOOKKEEPING_MODES", "GhostClipping", "ghost_clipping", "REWRITE_PASSES"]
+__all__ = ["RULES", "WHOLE_RULES", "BOOKKEEPING_MODES", "FORCEABLE_PATHS", "GhostClipping", "ghost_clipping", "REWRITE_PASSES"]
 
 Rule = Callable[[Emitter, fx.Node, bool, int], "Factor | None"]
 WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
@@ -166,6 +166,11 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
 #: How the book-keeping sums of dense terms are emitted (see :class:`GhostClipping`).
 BOOKKEEPING_MODES = ("per_layer", "fused")
 
+#: Paths :class:`GhostClipping` can be told to take for a parameter (``force=``): ``"ghost"``
+#: (Gram-form norm), ``"mixed"`` (norm from the materialised per-example gradient, sum
+#: book-kept), ``"materialized"`` (no rewrite: a per-example vector for biases).
+FORCEABLE_PATHS = ("ghost", "mixed", "materialized")
+
 
 class GhostClipping:
     """The rewrite pass, restricted to some rule families.
@@ -179,17 +184,28 @@ class GhostClipping:
             factor; it saves the per-call cost (~50 us per layer on CPU, visible on small models:
             MLP bench 1.04x instead of ~1.1x the non-private time) but can keep every layer's
             masked copies alive at once (MLP bench: 1.5x memory). Same result either way.
+        force: parameter name -> one of :data:`FORCEABLE_PATHS`, overriding the cost model
+            (for tests of each path's numerics, and for users who know better). A forced
+            path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
+            the first call rather than silently taking another path.
 
     Raises:
-        ConfigurationError: an unknown rule name or ``bookkeeping`` mode.
+        ConfigurationError: an unknown rule name, ``bookkeeping`` mode or forced path.
 
     Example::
 
         compile_dp(loss, model=m, clipping_norm=1.0, rewrites=[GhostClipping(rules=("linear",))])
         compile_dp(loss, model=m, clipping_norm=1.0, rewrites=[GhostClipping(bookkeeping="fused")])
+        compile_dp(loss, model=m, clipping_norm=1.0, rewrites=[GhostClipping(force={"fc.weight": "mixed"})])
     """
 
-    def __init__(self, rules: tuple[str, ...] | None = None, *, bookkeeping: str = "per_layer") -> None:
+    def __init__(
+        self,
+        rules: tuple[str, ...] | None = None,
+        *,
+        bookkeeping: str = "per_layer",
+        force: Mapping[str, str] | None = None,
+    ) -> None:
         known = set(RULES) | set(WHOLE_RULES)
         chosen = known if rules is None else set(rules)
         unknown = chosen - known
@@ -197,15 +213,20 @@ class GhostClipping:
             raise ConfigurationError(f"Unknown rewrite rule(s) {sorted(unknown)}; known: {sorted(known)}.")
         if bookkeeping not in BOOKKEEPING_MODES:
             raise ConfigurationError(f"Unknown bookkeeping={bookkeeping!r}; choose from {BOOKKEEPING_MODES}.")
+        bad = {k: v for k, v in (force or {}).items() if v not in FORCEABLE_PATHS}
+        if bad:
+            raise ConfigurationError(f"Unknown path(s) in force={bad}; choose from {FORCEABLE_PATHS}.")
         self.rules = frozenset(chosen)
         self.bookkeeping = bookkeeping
+        self.force = dict(force or {})
         self.name = "ghost_clipping"
 
     def __call__(self, gm: fx.GraphModule) -> PassReport:
-        return _ghost_clipping(gm, self.rules, self.bookkeeping)
+        return _ghost_clipping(gm, self.rules, self.bookkeeping, self.force)
 
     def __repr__(self) -> str:
-        return f"GhostClipping(rules={tuple(sorted(self.rules))}, bookkeeping={self.bookkeeping!r})"
+        extra = f", force={self.force!r}" if self.force else ""
+        return f"GhostClipping(rules={tuple(sorted(self.rules))}, bookkeeping={self.bookkeeping!r}{extra})"
 
 
 def ghost_clipping(gm: fx.GraphModule) -> PassReport:
@@ -214,12 +235,23 @@ def ghost_clipping(gm: fx.GraphModule) -> PassReport:
     return _ghost_clipping(gm, frozenset(RULES) | frozenset(WHOLE_RULES))
 
 
-def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: str = "per_layer") -> PassReport:
+def _ghost_clipping(
+    gm: fx.GraphModule,
+    enabled: frozenset[str],
+    bookkeeping: str = "per_layer",
+    force: Mapping[str, str] | None = None,
+) -> PassReport:
+    force = dict(force or {})
     graph = gm.graph
     sq_nodes = nodes_with_role(graph, "sq_norm")
+    mass_nodes = nodes_with_role(graph, "sum_mass")
     sum_nodes = nodes_with_role(graph, "clipped_sum")
+    unknown = sorted(set(force) - set(sq_nodes))
+    if unknown:
+        raise ConfigurationError(f"force names parameter(s) {unknown} that are not trainable parameters of this step.")
     kept = next(iter(nodes_with_role(graph, "kept").values()))
     factor = next(iter(nodes_with_role(graph, "clip_factor").values()))
+    sum_acc = val(factor).dtype
     out_node = next(n for n in graph.nodes if n.op == "output")
     matches: dict[str, int] = {}
     coverage: dict[str, str] = {}
@@ -227,14 +259,21 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: st
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
     # kept.all(), read by every book-keeping call: computed once, before the output.
     all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
+    p = None
     for name, sq in sq_nodes.items():
         g = _gradient_of(sq)
         p = shape(g)[0]
+        wanted = force.get(name, "auto")
+        if wanted == "materialized":
+            coverage[name] = "materialized (forced)"
+            continue
         # Factor nodes go right after G's inputs would be ideal; before the norm is enough,
         # since every operand of G precedes it.
         em = Emitter(graph, before=sq)
         factors, why = _match(em, g, p, enabled)
         if factors is None:
+            if wanted != "auto":
+                raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: no rewrite rule matches this parameter ({why}).")
             if len(shape(g)) == 2:
                 # Biases and normalisation affine parameters: the per-example gradient is a
                 # (P, d) vector, as small as the activations it comes from. Nothing to gain.
@@ -242,29 +281,32 @@ def _ghost_clipping(gm: fx.GraphModule, enabled: frozenset[str], bookkeeping: st
             else:
                 notes[name] = why
             continue
-        acc = val(sq).dtype
         rules = "+".join(sorted({f.rule for f in factors}))
         dense = not any(f.onehot for f in factors)
-        if dense and ghost_cost(factors, p) > materialized_cost(factors, p):
+        if wanted == "mixed" and not dense:
+            raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
+        mixed = wanted == "mixed"
+        if wanted == "auto" and dense and ghost_cost(factors, p) > materialized_cost(factors, p):
             if not all(f.rule in _MIXED_RULES for f in factors):
                 # The traced form (e.g. oneDNN's grouped convolution backward) forms the
                 # per-example gradient at least as fast as an explicit product would.
                 coverage[name] = "materialized (cheaper than ghost)"
                 continue
+            mixed = True
+        if mixed:
             # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming the
             # per-example gradient, so form it for the norm only; the sum stays book-keeping.
-            new_sq = emit_sq_norm_materialized(em, factors, acc)
+            new_sq, new_mass = emit_sq_norm_materialized(em, factors, sum_acc)
             coverage[name] = f"bk:{rules} (norm materialized)"
         else:
-            new_sq = emit_sq_norm(em, factors, acc, grams)
+            new_sq, new_mass = emit_sq_norm(em, factors, grams)
             coverage[name] = f"ghost:{rules}"
         sq.replace_all_uses_with(new_sq)
+        mass_nodes[name].replace_all_uses_with(new_mass)
         old_sum = sum_nodes[name]
         em_out = Emitter(graph, before=out_node)
-        summed = emit_clipped_sum(em_out, factors, kept, factor, acc, bookkeeping, all_kept)
+        summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
-        if val(summed).dtype != val(g).dtype:
-            summed = em_out(aten._to_copy.default, summed, dtype=val(g).dtype)
         summed.meta["opake_role"] = ("clipped_sum", name)
         old_sum.replace_all_uses_with(summed)
         for f in factors:

@@ -1,0 +1,311 @@
+"""``Checkpointer``: atomic, bit-exact checkpoints of a whole DP run, keeping the last ``k``.
+
+A DP run is resumable only if *everything* random it consumes comes back: the model and the
+wrapped optimizer's moments, but also the noise key and step count of the
+:class:`~opake_compile.optim.DPOptimizer` (the accountant charges by it), the sampler's epoch and
+position, and the :class:`~opake_compile.compiler.DPStep`'s key (dropout masks). A resumed run
+that replays a key releases the same noise twice (whose difference reveals the clipped sums);
+one that forgets steps under-reports epsilon. :class:`Checkpointer` writes all of these into one
+file per checkpoint with :mod:`opake_compile.serialization`, so a run killed at any instant and
+resumed from the newest checkpoint continues exactly as the uninterrupted run would have (bit
+for bit on the same machine, torch version and thread settings).
+
+Files. ``<directory>/ckpt-<step:010d>.safetensors``: the flat tensors of
+:func:`~opake_compile.serialization.state_dict` plus, in the safetensors header, the structure
+(``"opake_compile"``), the step number and a SHA-256 checksum of the metadata and of every
+tensor's bytes (checked on restore: a corrupted file raises instead of loading garbage).
+
+Atomicity. A checkpoint is written to a temporary file in the same directory, flushed and
+``fsync`` ed, then renamed over its final name (``os.replace``, atomic on POSIX) and the
+directory is ``fsync`` ed. A crash at any point leaves either the previous set of complete
+checkpoints or the new one; leftover temporary files are ignored and removed by the next save.
+Only after the rename are checkpoints beyond the newest ``keep`` deleted.
+
+Example::
+
+    >>> ckpt = opake.Checkpointer("runs/digits", keep=2)           # doctest: +SKIP
+    >>> start = ckpt.restore(model=model, optimizer=opt, sampler=sampler, step=step) or 0  # doctest: +SKIP
+    >>> for i, idx in enumerate(sampler, start=start + 1):         # doctest: +SKIP
+    ...     opt.step(step(x[idx], y[idx]).clipped)
+    ...     ckpt.save(i, model=model, optimizer=opt, sampler=sampler, step=step)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opake_compile import serialization as _ser
+from opake_compile._validate import check_nonnegative_int, check_positive_int
+from opake_compile.exceptions import CheckpointError, InputTypeError
+
+__all__ = ["Checkpointer"]
+
+_NAME = re.compile(r"^ckpt-(\d{10,})\.safetensors$")
+_TMP_PREFIX = ".tmp-ckpt-"
+
+
+def _checksum(flat: Mapping[str, torch.Tensor], meta_json: str) -> str:
+    """SHA-256 over the metadata and every tensor (key, dtype, shape, raw bytes), in key order."""
+    h = hashlib.sha256()
+    h.update(meta_json.encode())
+    for k in sorted(flat):
+        t = flat[k]
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
+        if t.numel():
+            h.update(_tensor_bytes(t.detach().cpu().contiguous()))
+    return h.hexdigest()
+
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> None:
+    """Write the safetensors format (8-byte header length, JSON header, raw little-endian data)
+    straight from the tensors' memory and ``fsync`` it: no serialised copy of the whole state
+    in memory (``safetensors.torch.save_file`` builds one). Read back with ``safe_open``, which
+    validates the layout. Other dtypes go through ``safetensors.torch.save_file``."""
+    if any(t.dtype not in _ST_DTYPES for t in tensors.values()):
+        from safetensors.torch import save_file as _st_save
+
+        _st_save(dict(tensors), str(path), metadata=dict(metadata))
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    else:
+        header: dict[str, Any] = {"__metadata__": dict(metadata)}
+        offset = 0
+        order = sorted(tensors)
+        for k in order:
+            t = tensors[k]
+            n = t.numel() * t.element_size()
+            header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        with open(path, "wb") as f:
+            f.write(len(blob).to_bytes(8, "little"))
+            f.write(blob)
+            for k in order:
+                if tensors[k].numel():
+                    f.write(_tensor_bytes(tensors[k]))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_rename(src: Path, dst: Path) -> None:
+    """The commit point of a save (a module function so that tests can inject a failure)."""
+    os.replace(src, dst)
+
+
+class Checkpointer:
+    """Save and restore the whole state of a DP run in ``directory``, keeping the last ``keep``.
+
+    ``save(step_number, **objects)`` writes every object (models, ``DPOptimizer`` with its
+    wrapped optimizer, samplers, ``DPStep``, schedulers, keys, clip and noise states, any
+    type registered with :func:`opake_compile.serialization.register_serializer`) into one
+    checkpoint, atomically. ``restore(**objects)`` loads the newest complete checkpoint into
+    objects built with the same configuration and returns its step number (``None``, touching
+    nothing, when there is none). The names of the keyword arguments are the top-level keys of
+    the checkpoint: restore with the names used for saving.
+
+    One process per directory: in a data-parallel run the sampler's state is per rank, so give
+    each rank its own directory (or save, on rank 0 only, the state all ranks share, and after
+    restoring call :func:`opake_compile.distributed.sync` on every rank).
+
+    Args:
+        directory: where checkpoints live (created if missing). One run per directory.
+        keep: how many of the newest checkpoints to keep (>= 1).
+
+    Raises:
+        InputTypeError, ConfigurationError: ``keep`` is not an int >= 1.
+
+    Example::
+
+        >>> ckpt = Checkpointer(tmp_dir, keep=3)                                     # doctest: +SKIP
+        >>> ckpt.save(100, model=model, optimizer=opt, sampler=sampler, step=step)  # doctest: +SKIP
+        >>> ckpt.restore(model=model, optimizer=opt, sampler=sampler, step=step)    # doctest: +SKIP
+        100
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 3) -> None:
+        if not isinstance(directory, (str, os.PathLike)):
+            raise InputTypeError(f"Expected directory to be a path, got {type(directory).__name__}.")
+        self._dir = Path(directory)
+        self._keep = check_positive_int(keep, name="keep")
+
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
+    @property
+    def keep(self) -> int:
+        return self._keep
+
+    def path(self, step_number: int) -> Path:
+        """The file of the checkpoint of ``step_number``."""
+        return self._dir / f"ckpt-{check_nonnegative_int(step_number, name='step_number'):010d}.safetensors"
+
+    def steps(self) -> list[int]:
+        """Step numbers of the complete checkpoints in the directory, ascending."""
+        if not self._dir.is_dir():
+            return []
+        out = []
+        for p in self._dir.iterdir():
+            m = _NAME.match(p.name)
+            if m and p.is_file():
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step number, or ``None``."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------------------ save
+    def save(self, step_number: int, **objects: Any) -> Path:
+        """Write a checkpoint of ``objects`` for ``step_number``, atomically.
+
+        Call it after the optimizer step of logical step ``step_number`` (so that restoring
+        resumes with step ``step_number + 1``). Saving a step number that exists replaces it.
+
+        Args:
+            step_number: an int >= 0 (usually the number of steps taken).
+            **objects: the state to save, by name.
+
+        Returns:
+            The path of the new checkpoint.
+
+        Raises:
+            InputTypeError: no objects, or an object of a type without a serializer.
+            CheckpointError: the file could not be written (the previous checkpoints are intact).
+        """
+        step_number = check_nonnegative_int(step_number, name="step_number")
+        if not objects:
+            raise InputTypeError("Checkpointer.save needs at least one object, e.g. save(step, model=model, optimizer=opt).")
+        flat, meta = _ser.state_dict(dict(objects))
+        tensors = _ser._writable(flat)
+        meta_json = _ser._metadata_json(meta)
+        header = {
+            "opake_compile": meta_json,
+            "opake_compile.step": str(step_number),
+            "opake_compile.sha256": _checksum(tensors, meta_json),
+        }
+        self._dir.mkdir(parents=True, exist_ok=True)
+        final = self.path(step_number)
+        tmp = self._dir / f"{_TMP_PREFIX}{step_number:010d}-{os.getpid()}.safetensors"
+        try:
+            _write_safetensors(tmp, tensors, header)
+            _atomic_rename(tmp, final)
+            _fsync_dir(self._dir)
+        except Exception as err:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"Could not write the checkpoint of step {step_number} to {final}: {err}") from err
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        for s in self.steps()[: -self._keep]:
+            self.path(s).unlink(missing_ok=True)
+        for p in self._dir.iterdir():
+            if p.name.startswith(_TMP_PREFIX):
+                p.unlink(missing_ok=True)
+
+    # --------------------------------------------------------------------------- restore
+    def restore(self, **objects: Any) -> int | None:
+        """Load the newest complete checkpoint into ``objects``; return its step number.
+
+        Stateful objects (modules, optimizers, ``DPOptimizer``, samplers, ``DPStep``,
+        schedulers) are restored in place. For value-type state (keys, clip and noise
+        states) use :meth:`restore_state`, which also returns the restored values.
+
+        Returns:
+            The step number of the restored checkpoint, or ``None`` when the directory holds
+            no complete checkpoint (then nothing is changed).
+
+        Raises:
+            CheckpointError: the newest checkpoint is corrupted (checksum), unreadable or does
+                not match ``objects`` (missing or extra names, shapes, dtypes, configuration
+                such as the noise multiplier, sample rate or clipping norm). Nothing has
+                changed then. Older checkpoints are not tried silently: pass one explicitly
+                with :meth:`load`.
+        """
+        found = self.restore_state(**objects)
+        return None if found is None else found[0]
+
+    def restore_state(self, **objects: Any) -> tuple[int, dict[str, Any]] | None:
+        """As :meth:`restore`, returning ``(step_number, restored)``: ``restored`` maps each
+        name to its restored object (the same object for stateful ones, a new value for value
+        types). ``None`` when there is no checkpoint."""
+        latest = self.latest_step()
+        if latest is None:
+            return None
+        return latest, self.load(latest, **objects)
+
+    def load(self, step_number: int, **objects: Any) -> dict[str, Any]:
+        """Load the checkpoint of ``step_number`` into ``objects``; return the restored tree.
+
+        Raises:
+            CheckpointError: no such checkpoint; as :meth:`restore`.
+        """
+        path = self.path(step_number)
+        if not path.is_file():
+            raise CheckpointError(f"No checkpoint of step {step_number} in {self._dir} (have {self.steps()}).")
+        if not objects:
+            raise InputTypeError("Checkpointer.restore needs the objects to restore into, by the names used to save them.")
+        flat, meta, header = _read(path)
+        if header.get("opake_compile.step") != str(step_number):
+            raise CheckpointError(f"{path}: records step {header.get('opake_compile.step')!r}, its name says {step_number}.")
+        return _ser.from_state_dict(dict(objects), flat, meta)
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            header = dict(f.metadata() or {})
+            flat = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as err:  # noqa: BLE001 - truncated or foreign files
+        raise CheckpointError(f"{path}: cannot read the checkpoint ({type(err).__name__}: {err}).") from err
+    meta_json = header.get("opake_compile")
+    digest = header.get("opake_compile.sha256")
+    if meta_json is None or digest is None:
+        raise CheckpointError(f"{path}: not an opake_compile checkpoint (no structure or checksum in its header).")
+    if _checksum(flat, meta_json) != digest:
+        raise CheckpointError(f"{path}: checksum mismatch: the file is corrupted. Restore an older checkpoint with Checkpointer.load.")
+    try:
+        meta = json.loads(meta_json)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: malformed structure metadata ({err}).") from err
+    return flat, meta, header

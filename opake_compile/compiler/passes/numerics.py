@@ -1,0 +1,169 @@
+"""The numerical contract of the clipped sum, and the graph helpers that keep it.
+
+**Contract.** For every path (materialised, per-example vector, ghost norm, mixed, conv,
+embedding, fused or per-layer book-keeping), every parameter dtype (float64, float32, bfloat16,
+float16) and every input whose gradients are finite, adding or removing one example moves the
+released clipped sum by at most C in L2 norm, with C the ``clipping_norm`` (C >= 2^-100).
+Gradients that are not finite are selected away (they contribute exactly zero and are counted).
+
+**How.** Write ``G_i`` for example i's per-example gradient as exact arithmetic would form it
+from the factors the graph actually computed (the layer inputs ``a`` and output gradients ``b``
+of each linear term, ``G_i = sum_t b_it a_it^T``), ``S_i = sum_t ||a_it|| ||b_it||`` for its
+*mass* (the sum of the absolute sizes of the terms that enter the released sum; for a
+materialised gradient, its norm), and ``u`` for the unit roundoff of the sum dtype. Three
+things are needed:
+
+1. *A norm that is never too small.* Every path computes an upper bound ``nu_i >= ||G_i||``:
+
+   - squared norms are formed in float64 (:data:`NORM_DTYPE`) whatever the parameter dtype: a
+     product of two or four float32 / bfloat16 / float16 numbers is exact in float64 and can
+     neither underflow nor overflow there (|x| in [2^-149, 2^128] gives products of four in
+     [2^-596, 2^512]), so the failure "||b||^2 underflows to 0, the norm is 0, the example is
+     not clipped" cannot happen;
+   - Gram-form (ghost) norms add the worst-case rounding bound of their float64 evaluation,
+     ``2 n u_64 S_i^2`` with n = R + C + K^2 + 4 terms in the longest chain: about 10^-10 of
+     ``S_i^2``, so ordinary examples are not over-clipped (the float32 Gram form needed a bound
+     ~10^8 times larger, which inflated GPT-2-width norms by 26 % at T = 128);
+   - the mixed path (per-example gradient formed by a float32 ``bmm`` for its norm only, the
+     sum book-kept) adds ``gamma_K S_i`` to the norm of the float32 product, since every entry
+     of a length-K dot product is within ``gamma_K sum_t |a_t| |b_t|`` of the exact one
+     (Higham 2002, Thm 3.5, any summation order), plus ``K sqrt(R C) 2^-149`` for products
+     that underflow. Relative to an ordinary norm (``S ~ sqrt(K) ||G||``) that is ~K^1.5 u:
+     7e-4 at K = 512.
+
+2. *A clip factor that never rounds up.* ``f_i = min(1, C_eff / max(nu_i, S_i / KAPPA))``
+   is computed in float64 and rounded *down* to the sum dtype (:func:`emit_round_down`), so the
+   exact contribution ``f_i G_i`` has norm at most ``C_eff <= C``.
+
+3. *A sum whose rounding no example can amplify.* The released sum is one product over
+   (example, position) rows in the sum dtype. Its error is at most ``u`` times the sizes of the
+   terms and partial sums it adds, which are set by the masses ``f_j S_j`` of *all* examples,
+   not by their norms: examples whose positions nearly cancel (mass far above norm) would let
+   rounding carry more than C through the sum (measured before this contract: 1.18 C). The
+   factor therefore also caps every example's mass at ``KAPPA * C_eff``; ordinary examples
+   (mass / norm ~ sqrt(T): 11 at T = 128) never reach the cap. What remains is the rounding
+   of the sum itself, absorbed by clipping to ``C_eff = C / (1 + rho)`` with a slack that
+   depends only on the sum dtype (:func:`rho`: 2^-10 for float32 sums, 2^-40 for float64),
+   so that every path and the eager reference clip to the same ``C_eff``.
+
+   Why 2^-10 is enough in float32 is an argument about realistic rounding, not a worst case:
+   by the probabilistic analysis of Higham & Mary (2019, "A new approach to probabilistic
+   rounding error analysis"), a dot product of length n errs by about ``lambda sqrt(n) u``
+   times the sum of its absolute terms, and the removal of one example changes only the
+   additions that follow its rows. The adversarial suite
+   (``property_tests/test_soundness_properties.py``: near-cancelling positions with mass /
+   norm up to 10^9, magnitudes from 10^-30 to 10^19, hundreds of identical examples, bfloat16
+   models, every path forced in turn) measures removal ratios at or below 1 with it. A worst
+   case over all rounding sequences grows like P^2 K u and exceeds 2^-10 for ordinary
+   float32 shapes; no cheap float32 evaluation order avoids that, float64 sums do (float64
+   models get u = 2^-53, and their bound is a worst case for P K up to ~10^12).
+
+The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
+sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
+moved it by 1.30 C). Chunks of one logical batch, :func:`~opake_compile.optim.accumulate`,
+:func:`~opake_compile.distributed.sum_gradients` and the noise of
+:class:`~opake_compile.optim.DPOptimizer` all stay in that dtype; only the final ``.grad`` is
+cast to the parameter dtype, after the noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from opake_compile.compiler._graph_utils import Emitter, val
+
+aten = torch.ops.aten
+
+__all__ = [
+    "NORM_DTYPE",
+    "KAPPA",
+    "RHO",
+    "unit_roundoff",
+    "gamma",
+    "rho",
+    "clip_scale",
+    "sum_dtype",
+    "effective_clipping_norm",
+    "emit_sq_sum",
+    "emit_round_down",
+]
+
+#: Squared norms, masses and clip factors are computed in float64.
+NORM_DTYPE = torch.float64
+
+#: Cap on an example's mass relative to C (see the module docstring, point 3).
+KAPPA = 64.0
+
+#: The smallest positive float32 (subnormal): the absolute error of an underflowing product.
+FLOAT32_TINY = 2.0**-149
+
+
+def unit_roundoff(dtype: torch.dtype, *, matmul: bool = False) -> float:
+    """u of ``dtype``; for float32 matrix products, that of the reduced precision torch may
+    use (TF32 or bfloat16 passes) unless ``torch.get_float32_matmul_precision() == "highest"``."""
+    if matmul and dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return 2.0**-8
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: the relative error bound of a length-n sum or
+    dot product in any evaluation order (``inf`` once ``n u >= 1``: fail closed)."""
+    nu = n * u
+    return math.inf if nu >= 1 else nu / (1 - nu)
+
+
+#: The slack of the released sum, per sum dtype (module docstring, point 3).
+RHO = {torch.float32: 2.0**-10, torch.float64: 2.0**-40}
+
+
+def rho(sum_dtype: torch.dtype) -> float:
+    """The slack of the released sum's rounding (module docstring, point 3): the graph and the
+    eager reference clip to ``C / (1 + rho)`` so that one example moves the sum by at most C."""
+    return RHO[sum_dtype]
+
+
+def clip_scale(sum_dtype: torch.dtype) -> float:
+    """``1 / (1 + rho)``, the factor from C to the effective clipping norm ``C_eff``."""
+    return 1.0 / (1.0 + rho(sum_dtype))
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the released sum for gradients of ``dtype``: float64 stays, everything
+    else is summed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def effective_clipping_norm(clipping_norm: float, dtype: torch.dtype) -> float:
+    """``C_eff = C / (1 + rho)``: the norm every example is actually clipped to when its
+    gradients have ``dtype`` (``C (1 - 2^-10)`` for float32 and lower, ``C (1 - 2^-40)`` for
+    float64), so that the rounding of the sum cannot carry one example past C.
+
+    Example::
+
+        >>> effective_clipping_norm(1.0, torch.float32)
+        0.9990243902439024
+    """
+    return clipping_norm * clip_scale(sum_dtype(dtype))
+
+
+def emit_sq_sum(em: Emitter, flat: fx.Node) -> fx.Node:
+    """Row-wise sum of squares of a ``(P, N)`` node in :data:`NORM_DTYPE`. For float32 and
+    lower inputs every square is exact and no square underflows; float64 inputs under about
+    2^-500 may underflow, which only matters for C below :data:`MIN_CLIPPING_NORM`."""
+    x = flat if val(flat).dtype == NORM_DTYPE else em(aten._to_copy.default, flat, dtype=NORM_DTYPE)
+    return em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, x), [1])
+
+
+def emit_round_down(em: Emitter, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """``x`` (non-negative, float64) cast to ``dtype`` rounding toward zero: the cast rounds to
+    nearest, and where that went up, the next representable value toward zero is taken."""
+    if val(x).dtype == dtype:
+        return x
+    y = em(aten._to_copy.default, x, dtype=dtype)
+    up = em(aten.gt.Tensor, em(aten._to_copy.default, y, dtype=val(x).dtype), x)
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=dtype)
+    return em(aten.where.self, up, em(aten.nextafter.default, y, zero), y)
