@@ -224,6 +224,15 @@ def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum") -> torch.T
     return reduce_pytree(tensor, op)
 
 
+def _check_leaves(leaves: list, mean: bool, name: str) -> None:
+    """Every leaf a tensor, and floating when the reduction is a mean."""
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            raise InputTypeError(f"{name} expects tensor leaves only, got {type(leaf).__name__}.")
+        if mean and not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
+            raise ConfigurationError(f"op='mean' needs floating tensors, got dtype {leaf.dtype}.")
+
+
 def reduce_pytree(tree: Any, op: str | dist.ReduceOp = "sum") -> Any:
     """Reduce every tensor leaf of ``tree`` over all ranks; returns a new tree.
 
@@ -250,11 +259,7 @@ def reduce_pytree(tree: Any, op: str | dist.ReduceOp = "sum") -> Any:
     """
     red_op, mean = _op(op)
     leaves, treedef = _pytree.tree_flatten(tree)
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            raise InputTypeError(f"reduce_pytree expects tensor leaves only, got {type(leaf).__name__}.")
-        if mean and not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
-            raise ConfigurationError(f"op='mean' needs floating tensors, got dtype {leaf.dtype}.")
+    _check_leaves(leaves, mean, "reduce_pytree")
     if not is_distributed():
         return tree
     world = dist.get_world_size()
@@ -307,11 +312,7 @@ def reduce_pytree_(tree: Any, op: str | dist.ReduceOp = "sum", *, bucket_bytes: 
     red_op, mean = _op(op)
     bucket_bytes = check_positive_int(bucket_bytes, name="bucket_bytes")
     leaves, _ = _pytree.tree_flatten(tree)
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor):
-            raise InputTypeError(f"reduce_pytree_ expects tensor leaves only, got {type(leaf).__name__}.")
-        if mean and not (leaf.dtype.is_floating_point or leaf.dtype.is_complex):
-            raise ConfigurationError(f"op='mean' needs floating tensors, got dtype {leaf.dtype}.")
+    _check_leaves(leaves, mean, "reduce_pytree_")
     if not is_distributed():
         return tree
     world = dist.get_world_size()

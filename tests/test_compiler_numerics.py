@@ -239,3 +239,24 @@ def test_force_picks_each_path_and_rejects_impossible_ones():
                       rewrites=[GhostClipping(force={"no.such": "ghost"})])
     with pytest.raises(ConfigurationError, match="no.such"):
         step(x)
+
+
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+@pytest.mark.parametrize("exps", [(-170, 170), (170, -170), (0, 0)], ids=["tiny_input", "huge_input", "unit"])
+def test_float64_factors_at_the_ends_of_the_range(path, exps):
+    # Without the power-of-two scaling, ||a||^2 underflows (or ||b||^2 overflows) in float64
+    # exactly as fault 2 did in float32: norm 0 or NaN.
+    lin = nn.Linear(16, 16, bias=False).double()
+    g = _gen(11)
+    x = torch.randn(2, 8, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 8, 16, generator=g, dtype=torch.float64)
+    x = x / x.flatten(1).norm(dim=1).view(-1, 1, 1) * 10.0 ** exps[0]
+    v = v / v.flatten(1).norm(dim=1).view(-1, 1, 1) * 10.0 ** exps[1]
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1e-3, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path})])
+    out = step(x, v).clipped
+    # The true per-example gradient is sum_t v_t x_t^T; compute its norm with the scales factored out.
+    true = torch.stack([(v[i] * 10.0 ** -exps[1]).T @ (x[i] * 10.0 ** -exps[0]) for i in range(2)]).flatten(1).norm(dim=1)
+    torch.testing.assert_close(out.per_example_norms, true, rtol=1e-9, atol=0)
+    assert out.num_nonfinite == 0
+    assert removal_ratio(step, (x, v), 1e-3) <= 1.0

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -199,6 +201,12 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
     """
     grams = {} if grams is None else grams
     acc = NORM_DTYPE
+    unscale = None
+    if any(val(f.b).dtype == NORM_DTYPE for f in factors):
+        # Float64 factors: their products are not exact in float64 and their squares can
+        # underflow (an example with |a| ~ 1e-170, |b| ~ 1e170 would get norm 0 and escape
+        # clipping). Scale them by exact powers of two first and undo it at the end.
+        factors, unscale = _rescale_float64(em, factors)
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -238,7 +246,49 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         total = _bound_rounding(factors, total, mass_sq, em)
+    if unscale is not None:
+        total, mass_sq = unscale(total), unscale(mass_sq)
     return total, mass_sq
+
+
+def _rescale_float64(em: Emitter, factors: list[Factor]) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
+    """Factors scaled per example by exact powers of two (largest entry in [1/2, 1)), and the
+    function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
+
+    The squares of the scaled factors cannot overflow and lose only entries below 2^-537 of
+    the largest, so the squared norm is exact up to rounding. Undoing the scale saturates:
+    a norm below ~2^-1074 becomes 0 (the example is then far below any admissible C), one
+    above ~2^1024 becomes inf (the example is dropped as non-finite and counted). One-hot
+    left factors have unit entries, so the left scale is 1 when any term is one-hot."""
+    p = shape(factors[0].b)[0]
+
+    def exponent(nodes: list[fx.Node]) -> fx.Node:
+        m = None
+        for n in nodes:
+            a = em(aten.amax.default, em(aten.abs.default, n), list(range(1, len(shape(n)))))
+            m = a if m is None else em(aten.maximum.default, m, a)
+        e = em(operator.getitem, em(aten.frexp.Tensor, m), 1)
+        return em(aten._to_copy.default, em(aten.clamp.default, e, -1000, 1000), dtype=NORM_DTYPE)
+
+    def scaled(node: fx.Node, e: fx.Node) -> fx.Node:
+        s = em(aten.exp2.default, em(aten.neg.default, e))
+        return em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
+
+    eb = exponent([f.b for f in factors])
+    ea = None if any(f.onehot for f in factors) else exponent([f.a for f in factors])
+    out = [
+        dataclasses.replace(f, a=f.a if ea is None else scaled(f.a, ea), b=scaled(f.b, eb))
+        for f in factors
+    ]
+    e2 = em(aten.mul.Tensor, eb if ea is None else em(aten.add.Tensor, ea, eb), 2.0)
+    back = em(aten.exp2.default, e2)
+
+    def unscale(x: fx.Node) -> fx.Node:
+        zero = em(aten.scalar_tensor.default, 0.0, dtype=NORM_DTYPE)
+        # 0 * inf would be NaN: an exactly zero norm stays zero whatever the scale.
+        return em(aten.where.self, em(aten.eq.Scalar, x, 0.0), zero, em(aten.mul.Tensor, x, back))
+
+    return out, unscale
 
 
 def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Emitter) -> fx.Node:
@@ -270,6 +320,10 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     """
     p = shape(factors[0].b)[0]
     nd = NORM_DTYPE
+    unscale = None
+    if acc == NORM_DTYPE:
+        # Float64 model: exact power-of-two scaling keeps squares in range (_rescale_float64).
+        factors, unscale = _rescale_float64(em, factors)
     g = None
     s = None
     for f in factors:
@@ -288,7 +342,10 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     if acc != torch.float64:
         slack = em(aten.add.Tensor, slack, k_total * math.sqrt(r * c) * FLOAT32_TINY)
     bound = em(aten.add.Tensor, norm, slack)
-    return em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
+    sq, mass_sq = em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
+    if unscale is not None:
+        sq, mass_sq = unscale(sq), unscale(mass_sq)
+    return sq, mass_sq
 
 
 def emit_clipped_sum(

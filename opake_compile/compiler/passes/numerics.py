@@ -20,6 +20,11 @@ things are needed:
      neither underflow nor overflow there (|x| in [2^-149, 2^128] gives products of four in
      [2^-596, 2^512]), so the failure "||b||^2 underflows to 0, the norm is 0, the example is
      not clipped" cannot happen;
+   - float64 factors (float64 models) are first scaled per example by exact powers of two
+     (largest entry in [1/2, 1)) and the squared norm scaled back, so that |a| ~ 10^-170 with
+     |b| ~ 10^170 still gives the right norm; a squared norm beyond float64's range makes the
+     example non-finite (dropped and counted), one that underflows belongs to a gradient far
+     below the smallest admissible C (2^-100);
    - Gram-form (ghost) norms add the worst-case rounding bound of their float64 evaluation,
      ``2 n u_64 S_i^2`` with n = R + C + K^2 + 4 terms in the longest chain: about 10^-10 of
      ``S_i^2``, so ordinary examples are not over-clipped (the float32 Gram form needed a bound
