@@ -206,7 +206,7 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
         # Float64 factors: their products are not exact in float64 and their squares can
         # underflow (an example with |a| ~ 1e-170, |b| ~ 1e170 would get norm 0 and escape
         # clipping). Scale them by exact powers of two first and undo it at the end.
-        factors, unscale = _rescale_float64(em, factors)
+        factors, unscale = _rescale_float64(em, factors, grams)
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -251,7 +251,9 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
     return total, mass_sq
 
 
-def _rescale_float64(em: Emitter, factors: list[Factor]) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
+def _rescale_float64(
+    em: Emitter, factors: list[Factor], cache: dict | None = None
+) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
     """Factors scaled per example by exact powers of two (largest entry in [1/2, 1)), and the
     function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
 
@@ -274,11 +276,22 @@ def _rescale_float64(em: Emitter, factors: list[Factor]) -> tuple[list[Factor], 
         s = em(aten.exp2.default, em(aten.neg.default, e))
         return em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
 
-    eb = exponent([f.b for f in factors])
+    if cache is not None and len(factors) == 1:
+        # One term: its right factor's scale depends on that factor alone, so layers reading
+        # the same input (q/k/v) share the scaled node, and with it their Gram matrix.
+        key = ("scaled_b", _b_key(factors[0]))
+        if key not in cache:
+            e = exponent([factors[0].b])
+            cache[key] = (e, scaled(factors[0].b, e))
+        eb, b_scaled = cache[key]
+        b_nodes = [b_scaled]
+    else:
+        eb = exponent([f.b for f in factors])
+        b_nodes = [scaled(f.b, eb) for f in factors]
     ea = None if any(f.onehot for f in factors) else exponent([f.a for f in factors])
     out = [
-        dataclasses.replace(f, a=f.a if ea is None else scaled(f.a, ea), b=scaled(f.b, eb))
-        for f in factors
+        dataclasses.replace(f, a=f.a if ea is None else scaled(f.a, ea), b=b)
+        for f, b in zip(factors, b_nodes)
     ]
     e2 = em(aten.mul.Tensor, eb if ea is None else em(aten.add.Tensor, ea, eb), 2.0)
     back = em(aten.exp2.default, e2)
