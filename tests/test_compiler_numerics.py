@@ -208,6 +208,34 @@ def test_bench_transformer_and_mlp_norms_are_exact():
     _assert_norms_exact(mlp, lambda m, x, y: F.cross_entropy(m(x), y), (x, y), 8)
 
 
+def test_bench_cnn_and_lora_norms_are_exact():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(8)
+        cnn = nn.Sequential(  # the bench's (Opacus') MNIST CNN
+            nn.Conv2d(1, 16, 8, 2, padding=3), nn.ReLU(), nn.MaxPool2d(2, 1),
+            nn.Conv2d(16, 32, 4, 2), nn.ReLU(), nn.MaxPool2d(2, 1),
+            nn.Flatten(), nn.Linear(512, 32), nn.ReLU(), nn.Linear(32, 10),
+        )
+        base = nn.Linear(64, 64)
+        lora_a, lora_b = nn.Linear(64, 8, bias=False), nn.Linear(8, 64, bias=False)
+    base.requires_grad_(False)
+
+    class LoRA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.base, self.a, self.b = base, lora_a, lora_b
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + 2.0 * self.b(self.a(x))
+
+    lora = LoRA()
+    x, y = torch.randn(4, 1, 28, 28, generator=_gen(12)), torch.randint(0, 10, (4,), generator=_gen(13))
+    _assert_norms_exact(cnn, lambda m, x, y: F.cross_entropy(m(x), y), (x, y), 4)
+    xs = torch.randn(4, 16, 64, generator=_gen(14))  # LoRA over a sequence: the mixed path's home
+    step, _ = _assert_norms_exact(lora, lambda m, x: m(x).tanh().sum(), (xs,), 4)
+    assert set(step.coverage) == {"a.weight", "b.weight"}
+
+
 # ----------------------------------------------------------------------------- forcing paths
 def test_force_picks_each_path_and_rejects_impossible_ones():
     lin = nn.Linear(8, 8)
