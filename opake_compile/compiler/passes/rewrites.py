@@ -28,6 +28,7 @@ import torch.fx as fx
 from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, shape, val
 from opake_compile.compiler.passes._base import PassReport
 from opake_compile.compiler.passes._factors import (
+    GRAM_COST_FACTOR,
     Factor,
     emit_clipped_sum,
     emit_sq_norm,
@@ -286,8 +287,14 @@ def _ghost_clipping(
         if wanted == "mixed" and not dense:
             raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
         mixed = wanted == "mixed"
-        if wanted == "auto" and dense and ghost_cost(factors, p) > materialized_cost(factors, p):
-            if not all(f.rule in _MIXED_RULES for f in factors):
+        mixable = all(f.rule in _MIXED_RULES for f in factors)
+        # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
+        # keeping the traced per-example gradient (conv), only flops: materialising costs memory
+        # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
+        # non-private step when the float64 factor was applied there too).
+        ghost = ghost_cost(factors, p) // (1 if mixable else GRAM_COST_FACTOR)
+        if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
+            if not mixable:
                 # The traced form (e.g. oneDNN's grouped convolution backward) forms the
                 # per-example gradient at least as fast as an explicit product would.
                 coverage[name] = "materialized (cheaper than ghost)"
