@@ -220,3 +220,95 @@ def test_no_trainable_parameter_is_refused():
 
 def _with_loss(case, loss):
     return dataclasses.replace(case, loss_fn=loss)
+
+
+def test_a_trace_failure_names_the_module_that_failed():
+    class Gate(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h * 2 if h.sum() > 0 else h  # a Python branch on data
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.data_gate = Gate()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.data_gate(self.fc(x))
+
+    with pytest.raises(UnsupportedOperationError, match=r"in module 'data_gate' \(Gate\)"):
+        trace_per_example_grads(Net(), lambda m, x: m(x).sum(), (torch.zeros(2, 4),), batched_positions=(0,), physical_batch_size=2)
+
+
+# ----------------------------------------------------------------------------- aliasing
+F64 = torch.float64
+
+
+class _Aliased(nn.Module):
+    """One submodule under two names, a parameter shared by two modules and a buffer registered
+    in two modules: the user's model must come out of tracing exactly as it went in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, dtype=F64)
+        self.b = self.a  # the same submodule, registered twice
+        self.c = nn.Linear(4, 4, dtype=F64)
+        self.d = nn.Linear(4, 3, dtype=F64)
+        self.d.weight = nn.Parameter(self.c.weight[:3].detach().clone())
+        self.e = nn.Linear(4, 3, bias=False, dtype=F64)
+        self.e.weight = self.d.weight  # a parameter shared by two modules
+        shift = torch.linspace(-0.5, 0.5, 4, dtype=F64)
+        self.c.register_buffer("shift", shift)
+        self.d.register_buffer("shift", shift)  # a buffer registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        h = torch.tanh(self.c(h + self.c.shift)) - self.d.shift
+        return self.d(h) + self.e(h)
+
+
+def _slots(model: nn.Module) -> list[tuple[str, object]]:
+    return [
+        (f"{name}.{store}.{key}", obj)
+        for name, mod in model.named_modules(remove_duplicate=False)
+        for store in ("_parameters", "_buffers", "_modules")
+        for key, obj in getattr(mod, store).items()
+    ]
+
+
+def test_tracing_leaves_an_aliased_model_unmodified():
+    model = seeded_model(_Aliased)
+    slots = _slots(model)
+    values = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    loss = lambda m, x: m(x).pow(2).sum()  # noqa: E731
+    for _ in range(2):
+        trace_per_example_grads(model, loss, (torch.zeros(2, 4, dtype=torch.float64),), batched_positions=(0,), physical_batch_size=2)
+        after = _slots(model)
+        assert [k for k, _ in after] == [k for k, _ in slots]
+        for (k, obj), (_, before) in zip(after, slots):
+            assert obj is before, f"{k} was replaced by tracing"
+        for k, v in model.state_dict(keep_vars=True).items():
+            assert not isinstance(v, torch._subclasses.FakeTensor), k
+            assert torch.equal(v.detach(), values[k]), k
+    assert model.b is model.a and model.e.weight is model.d.weight and model.c.shift is model.d.shift
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_a_failed_trace_leaves_an_aliased_model_unmodified():
+    model = seeded_model(_Aliased)
+    slots = _slots(model)
+
+    def loss(m, x):
+        out = m(x).sum()
+        return out * 2 if out > 0 else out  # fails after the parameters were swapped in
+
+    with pytest.raises(UnsupportedOperationError):
+        trace_per_example_grads(model, loss, (torch.zeros(2, 4, dtype=torch.float64),), batched_positions=(0,), physical_batch_size=2)
+    for (k, obj), (_, before) in zip(_slots(model), slots):
+        assert obj is before, f"{k} was replaced by a failed trace"
+
+
+def seeded_model(cls):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return cls()  # built in float64: .double() would untie the shared buffer

@@ -19,8 +19,10 @@ materialised per-example gradient per trainable parameter. The pass stage
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -72,6 +74,50 @@ class _LossModule(nn.Module):
 
     def forward(self, *args: Any) -> torch.Tensor:
         return self._loss_fn(self.model, *args)
+
+
+def _failing_module(model: nn.Module, err: BaseException) -> str:
+    """`` in module 'name' (Type)`` for the innermost module of ``model`` whose code was running
+    when ``err`` was raised (read from the traceback), or ``""`` if none was."""
+    names = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    found = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = owner
+    if found is None:
+        return ""
+    return f" in module {names[id(found)] or '<root>'!r} ({type(found).__name__})"
+
+
+@contextlib.contextmanager
+def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter, buffer and submodule slot of ``model`` after tracing.
+
+    ``functional_call`` swaps fake tensors into the model's slots and swaps the originals back
+    afterwards; when one object is reachable under several names (a submodule registered
+    twice, ``self.b = self.a``; a shared parameter or buffer), the swap back can restore a
+    fake tensor into a slot that was already swapped. Tracing must never modify the user's
+    model, so every slot is recorded by identity before and put back as it was after, whatever
+    the aliasing and whether tracing succeeded.
+    """
+    modules = list(model.modules())  # each module object once, aliases included
+    saved = [(m, store, dict(getattr(m, store))) for m in modules for store in ("_parameters", "_buffers", "_modules")]
+    try:
+        yield
+    finally:
+        for mod, store, before in saved:
+            slots = getattr(mod, store)
+            for key, obj in before.items():
+                if slots.get(key, _MISSING) is not obj:
+                    slots[key] = obj
+            for key in [k for k in slots if k not in before]:
+                del slots[key]
+
+
+_MISSING = object()
 
 
 def check_model_supported(model: nn.Module) -> None:
@@ -202,16 +248,20 @@ def trace_per_example_grads(
     mask = torch.zeros(physical_batch_size, dtype=torch.bool)
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
     try:
-        gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
-            *state_tensors, clip, mask, *tensor_leaves
-        )
+        with _model_left_unchanged(model):
+            gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                *state_tensors, clip, mask, *tensor_leaves
+            )
     except UnsupportedOperationError:
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
+        where = _failing_module(model, err)
         raise UnsupportedOperationError(
-            f"Could not trace the per-example gradient of loss_fn ({type(err).__name__}: {err}). "
+            f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "
             "compile_dp needs a loss whose operations are traceable without looking at data "
-            "values (no Python branches on tensor values, no .item()) and have vmap rules."
+            "values (no Python branches on tensor values, no .item()) and have vmap rules: "
+            "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
+            "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
     gm.graph.eliminate_dead_code()
     gm.recompile()
