@@ -312,3 +312,90 @@ def seeded_model(cls):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return cls()  # built in float64: .double() would untie the shared buffer
+
+
+# ----------------------------------------------------------------------------- strides
+def _empty_cache_model():
+    from _models import EmptyCacheAttention
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return EmptyCacheAttention().double()
+
+
+def _attn_loss(m, x):
+    return m(x).tanh().sum()
+
+
+def test_traced_graph_keeps_no_view_that_only_eager_strides_allow():
+    model = _empty_cache_model()
+    x = torch.randn(4, 3, 8, dtype=torch.float64, generator=seeded(1))
+    traced = trace_per_example_grads(model, _attn_loss, (x,), batched_positions=(0,), physical_batch_size=4)
+    views = [n for n in traced.gm.graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)]
+    assert not views, [n.format_node() for n in views]
+    # Same values as the loop oracle.
+    losses, grads = _run_raw(traced, model, (x,))[0], _run_raw(traced, model, (x,))[1:]
+    want_losses, want = _loop_grads(model, _attn_loss, (x,))
+    torch.testing.assert_close(losses, want_losses)
+    for k, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[k])
+
+
+def test_graph_retraced_with_inductor_strides_runs_and_matches_the_oracle():
+    """The backend re-traces the graph with Inductor's decompositions (and strides): an
+    ``aten.view`` valid only for eager strides raised 'Cannot view a tensor with shape ...'."""
+    from _models import inductor_retrace_backend, loop_reference
+
+    from opake_compile import compile_dp
+
+    model = _empty_cache_model()
+    x = torch.randn(5, 3, 8, dtype=torch.float64, generator=seeded(2))
+    step = compile_dp(_attn_loss, model=model, clipping_norm=0.5, physical_batch_size=4, backend=inductor_retrace_backend())
+    out = step(x)
+    want, norms = loop_reference(model, _attn_loss, (x,), 0.5)
+    assert bool((norms > 0.5).any())
+    for k, g in out.clipped.grads.items():
+        torch.testing.assert_close(g, want[k].to(g.dtype), rtol=1e-9, atol=1e-12)
+
+
+def test_views_of_storage_written_in_place_stay_views():
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x) + 1.0
+            flat = y.view(y.shape[0], 2, 3)
+            flat.mul_(2.0)  # writes through the view into y
+            return y.pow(2).sum()
+
+    model = InPlace()
+    x = torch.randn(3, 4, dtype=torch.float64, generator=seeded(3))
+    traced = trace_per_example_grads(model, lambda m, x: m(x), (x,), batched_positions=(0,), physical_batch_size=3)
+    mutated = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.mul_.Tensor]
+    assert mutated, "the in-place op was not traced as one"
+    for node in mutated:
+        assert node.args[0].target is torch.ops.aten.view.default, node.args[0].format_node()
+    grads = _run_raw(traced, model, (x,))[1:]
+    _, want = _loop_grads(model, lambda m, x: m(x), (x,))
+    for k, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[k])
+
+
+@pytest.mark.inductor
+def test_empty_cache_attention_under_inductor():
+    from _models import loop_reference
+
+    from opake_compile import compile_dp
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        from _models import EmptyCacheAttention
+
+        model = EmptyCacheAttention()
+    x = torch.randn(3, 2, 8, generator=seeded(4))
+    out = compile_dp(_attn_loss, model=model, clipping_norm=0.5, physical_batch_size=4, backend="inductor")(x)
+    want, _ = loop_reference(model, _attn_loss, (x,), 0.5)
+    for k, g in out.clipped.grads.items():
+        torch.testing.assert_close(g.double(), want[k], rtol=1e-4, atol=1e-5)

@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
-__all__ = ["InputLayout", "TracedGraph", "check_model_supported", "trace_per_example_grads"]
+__all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +74,56 @@ class _LossModule(nn.Module):
 
     def forward(self, *args: Any) -> torch.Tensor:
         return self._loss_fn(self.model, *args)
+
+
+def _is_view_op(target: Any) -> bool:
+    """Whether ``target`` returns an alias of its first argument (``Tensor(a)`` in its schema)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    rets = target._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def relax_stride_assumptions(gm: fx.GraphModule) -> int:
+    """Replace ``aten.view`` / ``aten._unsafe_view`` by ``aten.reshape`` where nothing can tell
+    the difference. In place; returns how many nodes were replaced.
+
+    ``make_fx`` records the ``view`` calls that the eager kernels made, each valid for the
+    strides the *eager* kernels produced. A backend that traces the graph again may lay out
+    intermediates differently (Inductor's decomposition of ``cat`` with an empty part, as in
+    a Hugging Face decoder's empty key/value cache, returns another stride), and a ``view``
+    of such a tensor raises "Cannot view a tensor with shape ... and strides ...". ``reshape``
+    is a view whenever one is possible and a copy otherwise, so it computes the same values
+    under any layout. The one observable difference is aliasing, so views stay views in any
+    storage group (tensors linked by view ops) that an in-place op writes to.
+    """
+    graph = gm.graph
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        if node.op == "call_function" and _is_view_op(node.target) and node.args and isinstance(node.args[0], fx.Node):
+            parent[root(node)] = root(node.args[0])
+    written = set()
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            for arg in node.all_input_nodes:
+                written.add(root(arg))
+    relaxable = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in relaxable or not isinstance(node.args[0], fx.Node):
+            continue
+        if root(node) in written or root(node.args[0]) in written:
+            continue
+        node.target = torch.ops.aten.reshape.default
+        count += 1
+    return count
 
 
 def _failing_module(model: nn.Module, err: BaseException) -> str:
@@ -264,6 +314,7 @@ def trace_per_example_grads(
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
     gm.graph.eliminate_dead_code()
+    relax_stride_assumptions(gm)
     gm.recompile()
     has_random = any(
         n.op == "call_function"
