@@ -596,6 +596,29 @@ def test_gpt2_with_its_kv_cache_survives_the_inductor_retrace():
     assert got.coverage == _gpt2_expected()
 
 
+def test_t5_survives_the_inductor_retrace():
+    """T5's encoder-decoder attention had the same eager-stride ``view`` (issue 14, item 1)."""
+    transformers = pytest.importorskip("transformers")
+    from _models import inductor_retrace_backend
+
+    cfg = transformers.T5Config(
+        vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1, num_heads=2,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )
+    cfg._attn_implementation = "eager"
+    model = _build(lambda: transformers.T5ForConditionalGeneration(cfg), seed=0).eval()
+    ids = torch.randint(1, 40, (3, 6), generator=_gen(12))
+    labels = torch.randint(1, 40, (3, 5), generator=_gen(13))
+    loss = lambda m, ids, labels: m(input_ids=ids, labels=labels).loss  # noqa: E731
+    kw = dict(model=model, clipping_norm=0.05, physical_batch_size=4)
+    got = compile_dp(loss, backend=inductor_retrace_backend(), **kw)(ids, labels)
+    want = compile_dp(loss, backend=None, **kw)(ids, labels)
+    assert bool((want.clipped.per_example_norms > 0.05).any())
+    for k, w in want.clipped.grads.items():  # tolerance: see the GPT-2 test above
+        torch.testing.assert_close(got.clipped.grads[k], w, rtol=0, atol=1e-6 * max(1e-3, float(w.abs().max())))
+    assert got.coverage == want.coverage
+
+
 # ----------------------------------------------------------------------------- inductor
 @pytest.mark.inductor
 def test_inductor_rewritten_transformer_matches_unrewritten():
