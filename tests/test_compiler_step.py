@@ -513,3 +513,14 @@ def test_model_with_aliased_submodule_trains_and_stays_real(backend):
                 v.sub_(0.5 * out.clipped.grads[k].to(v.dtype))
         assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
     assert step.num_traces == 1
+
+
+def test_a_backend_that_cannot_compile_the_graph_is_an_unsupported_operation_error():
+    case = mlp_case(seed=0)
+
+    def broken_backend(gm, example_inputs):
+        raise ValueError("Cannot view a tensor with shape [2, 3] and strides (1, 2)")
+
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=broken_backend)
+    with pytest.raises(UnsupportedOperationError, match="broken_backend.*ValueError: Cannot view.*aot_eager"):
+        step(*case.make_batch(3, 0))
