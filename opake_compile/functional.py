@@ -470,9 +470,9 @@ class _EmptyCollate:
     """Picklable wrapper returned by :func:`empty_collate` (works with DataLoader workers, which
     receive the structure learned so far)."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], template: Any = None) -> None:
         self.collate_fn = collate_fn
-        self.template: Any = None
+        self.template: Any = template
         functools.update_wrapper(self, collate_fn, updated=())
 
     def __call__(self, batch: Any) -> Any:
@@ -491,12 +491,16 @@ class _EmptyCollate:
         return f"empty_collate({self.collate_fn!r})"
 
 
-def empty_collate(collate_fn: Callable[[list[Any]], Any] | None = None) -> Callable[[list[Any]], Any]:
+_NO_EXAMPLE = object()
+
+
+def empty_collate(collate_fn: Callable[[list[Any]], Any] | None = None, *, example: Any = _NO_EXAMPLE) -> Callable[[list[Any]], Any]:
     """Make ``collate_fn`` return an empty batch for an empty list of examples.
 
     Poisson subsampling yields empty batches (with probability ``(1-q)**N`` each) and standard
-    collators crash on them. The wrapper learns the output structure from the first non-empty
-    batch and afterwards answers an empty list with the same structure at batch size 0:
+    collators crash on them (``default_collate([])`` raises ``IndexError``). The wrapper knows
+    the output structure of a batch and answers an empty list with the same structure at batch
+    size 0:
 
     * a tensor of shape ``(B, *s)`` becomes ``torch.empty((0, *s))`` with the same dtype and
       device (a 0-d tensor is repeated as first seen); numpy arrays likewise;
@@ -505,30 +509,39 @@ def empty_collate(collate_fn: Callable[[list[Any]], Any] | None = None) -> Calla
       treated as per-example and becomes empty;
     * any other leaf is repeated as first seen.
 
-    An empty list before any structure is known goes to ``collate_fn`` unchanged: its error is
-    the signal of a misconfigured sample rate (or of an unlucky first batch; with very small
-    ``q·N`` call the wrapper once on a real example first). With ``num_workers > 0`` every worker
-    process learns the structure on its own.
+    **Recommended: pass one example** (``example=dataset[0]``). The structure is then learned
+    up front from ``collate_fn([example])``, so every batch can be empty, the first one
+    included, and DataLoader workers (``num_workers > 0``) receive the structure with the
+    wrapper. Without ``example`` the structure is learned from the first non-empty batch, and
+    an empty list before that goes to ``collate_fn`` unchanged (``default_collate`` raises):
+    the first Poisson batch is empty with probability ``(1-q)**N``, which is not small when
+    ``q·N`` is, and each worker process learns the structure on its own.
+
+    Edge cases: ``collate_fn`` is never called with an empty list once the structure is known;
+    non-empty batches always go through ``collate_fn`` unchanged.
 
     Args:
         collate_fn: the collate function; ``None`` means
             ``torch.utils.data.default_collate``.
+        example: one example of the dataset, as ``dataset[i]`` returns it (not a batch).
 
     Returns:
         A picklable callable ``collate(batch: list) -> batch structure``.
 
     Raises:
         InputTypeError: ``collate_fn`` is not callable.
+        ConfigurationError: ``collate_fn([example])`` raised (the message says what it raised).
 
     Example::
 
         >>> import torch
-        >>> from torch.utils.data import default_collate
-        >>> collate = empty_collate(default_collate)
-        >>> _ = collate([(torch.zeros(3), 1)])
-        >>> x, y = collate([])
+        >>> from torch.utils.data import DataLoader, TensorDataset, default_collate
+        >>> ds = TensorDataset(torch.randn(10, 3), torch.randint(0, 2, (10,)))
+        >>> collate = empty_collate(default_collate, example=ds[0])
+        >>> x, y = collate([])                        # even before any non-empty batch
         >>> x.shape, y.shape
         (torch.Size([0, 3]), torch.Size([0]))
+        >>> loader = DataLoader(ds, batch_size=4, collate_fn=collate)
     """
     if collate_fn is None:
         from torch.utils.data import default_collate
@@ -536,4 +549,13 @@ def empty_collate(collate_fn: Callable[[list[Any]], Any] | None = None) -> Calla
         collate_fn = default_collate
     if not callable(collate_fn):
         raise InputTypeError(f"Expected collate_fn to be callable, got {type(collate_fn).__name__}.")
-    return _EmptyCollate(collate_fn)
+    if example is _NO_EXAMPLE:
+        return _EmptyCollate(collate_fn)
+    try:
+        out = collate_fn([example])
+    except Exception as err:  # noqa: BLE001 - re-raised with context
+        raise ConfigurationError(
+            f"empty_collate: collate_fn([example]) raised {type(err).__name__}: {err}. Pass one "
+            "example as the dataset returns it (e.g. example=dataset[0]), not a batch."
+        ) from err
+    return _EmptyCollate(collate_fn, _learn(out))

@@ -14,7 +14,7 @@ Example::
     >>> from opake_compile.sampling import PoissonSampler
     >>> ds = TensorDataset(torch.randn(100, 3), torch.randint(0, 2, (100,)))
     >>> sampler = PoissonSampler(len(ds), 0.1, key=oprandom.key(0))
-    >>> loader = DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(default_collate))
+    >>> loader = DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(default_collate, example=ds[0]))
     >>> len(loader)
     10
 """
@@ -95,7 +95,8 @@ def draw_of(value: Any) -> DrawId | None:
 class PoissonSampler(Sampler[list[int]]):
     """Batch sampler where every index joins every batch independently with probability q.
 
-    Use it as ``DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(collate))``.
+    Use it as ``DataLoader(ds, batch_sampler=sampler, collate_fn=empty_collate(collate, example=ds[0]))``
+    (batches can be empty, the first one included: see :func:`~opake_compile.functional.empty_collate`).
     Each batch is drawn from its own generator, seeded by
     ``fold_in(fold_in(key, epoch), step)``: the ``N`` inclusion decisions are one Bernoulli(q)
     mask (``torch.rand(N) < q``), so batch sizes are Binomial(N, q), vary, and can be empty

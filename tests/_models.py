@@ -39,7 +39,44 @@ __all__ = [
     "tolerance",
     "assert_trees_close",
     "tree_distance",
+    "inductor_retrace_backend",
+    "EmptyCacheAttention",
 ]
+
+
+def inductor_retrace_backend() -> Callable[..., Any]:
+    """A ``torch.compile`` backend that re-traces the graph the way Inductor does (AOTAutograd
+    with Inductor's decomposition table, so with Inductor's strides) and then runs it without
+    code generation: it catches graphs that only eager strides make valid, in seconds."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    def run(gm, example_inputs):  # noqa: ANN001, ANN202
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=run, decompositions=select_decomp_table())
+
+
+class EmptyCacheAttention(nn.Module):
+    """Self-attention that appends keys and values to an *empty* cache along the time axis
+    before ``q @ k^T``, as Hugging Face decoders do with ``use_cache``: the minimal form of
+    the stride trap of issue 14 (Inductor lays ``cat`` of an empty part out differently)."""
+
+    def __init__(self, d: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.d, self.heads = d, heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h, dh = self.heads, self.d // self.heads
+        q, k, v = (z.view(b, t, h, dh).transpose(1, 2) for z in self.qkv(x).split(self.d, dim=-1))
+        past = x.new_zeros(b, h, 0, dh)
+        k, v = torch.cat([past, k], dim=-2), torch.cat([past, v], dim=-2)
+        att = (q @ k.transpose(-1, -2) / math.sqrt(dh)).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, self.d))
 
 
 def seeded(seed: int) -> torch.Generator:

@@ -468,3 +468,59 @@ def test_model_state_walk_matches_torch_on_tied_missing_and_shared_members():
     assert list(buffers.items()) == list(model.named_buffers())
     assert modes == tuple(m.training for m in model.modules())
     assert "head.weight" not in params and modes.count(False) == 1
+
+
+# ----------------------------------------------------------------------------- aliasing
+class _TwiceRegistered(nn.Module):
+    """A submodule registered under two names (``self.b = self.a``) and used twice, plus a
+    parameter shared by two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = self.a
+        self.head = nn.Linear(4, 3)
+        self.aux = nn.Linear(4, 3, bias=False)
+        self.aux.weight = self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.head(h) + 0.5 * self.aux(h)
+
+
+@pytest.mark.parametrize("backend", [None, "aot_eager"], ids=["fx", "aot_eager"])
+def test_model_with_aliased_submodule_trains_and_stays_real(backend):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _TwiceRegistered().double()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    gen = seeded(5)
+    step = compile_dp(loss, model=model, clipping_norm=0.3, physical_batch_size=4, backend=backend)
+    for it in range(3):
+        x = torch.randn(5, 4, generator=gen, dtype=torch.float64)
+        y = torch.randint(0, 3, (5,), generator=gen)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        out = step(x, y)
+        # The user's parameters are still the same real Parameters, with their values.
+        assert model.b is model.a and model.aux.weight is model.head.weight
+        for k, v in model.named_parameters():
+            assert type(v) is nn.Parameter, f"{k} became {type(v).__name__}"
+            assert torch.equal(v.detach(), before[k]), k
+        want, _ = loop_reference(model, loss, (x, y), 0.3)
+        assert_trees_close(out.clipped.grads, want, torch.float64)
+        with torch.no_grad():  # a plain SGD update of the user's parameters
+            for k, v in model.named_parameters():
+                v.sub_(0.5 * out.clipped.grads[k].to(v.dtype))
+        assert any(not torch.equal(v.detach(), before[k]) for k, v in model.named_parameters())
+    assert step.num_traces == 1
+
+
+def test_a_backend_that_cannot_compile_the_graph_is_an_unsupported_operation_error():
+    case = mlp_case(seed=0)
+
+    def broken_backend(gm, example_inputs):
+        raise ValueError("Cannot view a tensor with shape [2, 3] and strides (1, 2)")
+
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=broken_backend)
+    with pytest.raises(UnsupportedOperationError, match="broken_backend.*ValueError: Cannot view.*aot_eager"):
+        step(*case.make_batch(3, 0))

@@ -220,3 +220,182 @@ def test_no_trainable_parameter_is_refused():
 
 def _with_loss(case, loss):
     return dataclasses.replace(case, loss_fn=loss)
+
+
+def test_a_trace_failure_names_the_module_that_failed():
+    class Gate(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h * 2 if h.sum() > 0 else h  # a Python branch on data
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.data_gate = Gate()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.data_gate(self.fc(x))
+
+    with pytest.raises(UnsupportedOperationError, match=r"in module 'data_gate' \(Gate\)"):
+        trace_per_example_grads(Net(), lambda m, x: m(x).sum(), (torch.zeros(2, 4),), batched_positions=(0,), physical_batch_size=2)
+
+
+# ----------------------------------------------------------------------------- aliasing
+F64 = torch.float64
+
+
+class _Aliased(nn.Module):
+    """One submodule under two names, a parameter shared by two modules and a buffer registered
+    in two modules: the user's model must come out of tracing exactly as it went in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, dtype=F64)
+        self.b = self.a  # the same submodule, registered twice
+        self.c = nn.Linear(4, 4, dtype=F64)
+        self.d = nn.Linear(4, 3, dtype=F64)
+        self.d.weight = nn.Parameter(self.c.weight[:3].detach().clone())
+        self.e = nn.Linear(4, 3, bias=False, dtype=F64)
+        self.e.weight = self.d.weight  # a parameter shared by two modules
+        shift = torch.linspace(-0.5, 0.5, 4, dtype=F64)
+        self.c.register_buffer("shift", shift)
+        self.d.register_buffer("shift", shift)  # a buffer registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        h = torch.tanh(self.c(h + self.c.shift)) - self.d.shift
+        return self.d(h) + self.e(h)
+
+
+def _slots(model: nn.Module) -> list[tuple[str, object]]:
+    return [
+        (f"{name}.{store}.{key}", obj)
+        for name, mod in model.named_modules(remove_duplicate=False)
+        for store in ("_parameters", "_buffers", "_modules")
+        for key, obj in getattr(mod, store).items()
+    ]
+
+
+def test_tracing_leaves_an_aliased_model_unmodified():
+    model = seeded_model(_Aliased)
+    slots = _slots(model)
+    values = {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
+    loss = lambda m, x: m(x).pow(2).sum()  # noqa: E731
+    for _ in range(2):
+        trace_per_example_grads(model, loss, (torch.zeros(2, 4, dtype=torch.float64),), batched_positions=(0,), physical_batch_size=2)
+        after = _slots(model)
+        assert [k for k, _ in after] == [k for k, _ in slots]
+        for (k, obj), (_, before) in zip(after, slots):
+            assert obj is before, f"{k} was replaced by tracing"
+        for k, v in model.state_dict(keep_vars=True).items():
+            assert not isinstance(v, torch._subclasses.FakeTensor), k
+            assert torch.equal(v.detach(), values[k]), k
+    assert model.b is model.a and model.e.weight is model.d.weight and model.c.shift is model.d.shift
+    assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_a_failed_trace_leaves_an_aliased_model_unmodified():
+    model = seeded_model(_Aliased)
+    slots = _slots(model)
+
+    def loss(m, x):
+        out = m(x).sum()
+        return out * 2 if out > 0 else out  # fails after the parameters were swapped in
+
+    with pytest.raises(UnsupportedOperationError):
+        trace_per_example_grads(model, loss, (torch.zeros(2, 4, dtype=torch.float64),), batched_positions=(0,), physical_batch_size=2)
+    for (k, obj), (_, before) in zip(_slots(model), slots):
+        assert obj is before, f"{k} was replaced by a failed trace"
+
+
+def seeded_model(cls):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return cls()  # built in float64: .double() would untie the shared buffer
+
+
+# ----------------------------------------------------------------------------- strides
+def _empty_cache_model():
+    from _models import EmptyCacheAttention
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return EmptyCacheAttention().double()
+
+
+def _attn_loss(m, x):
+    return m(x).tanh().sum()
+
+
+def test_traced_graph_keeps_no_view_that_only_eager_strides_allow():
+    model = _empty_cache_model()
+    x = torch.randn(4, 3, 8, dtype=torch.float64, generator=seeded(1))
+    traced = trace_per_example_grads(model, _attn_loss, (x,), batched_positions=(0,), physical_batch_size=4)
+    views = [n for n in traced.gm.graph.nodes if n.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)]
+    assert not views, [n.format_node() for n in views]
+    # Same values as the loop oracle.
+    losses, grads = _run_raw(traced, model, (x,))[0], _run_raw(traced, model, (x,))[1:]
+    want_losses, want = _loop_grads(model, _attn_loss, (x,))
+    torch.testing.assert_close(losses, want_losses)
+    for k, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[k])
+
+
+def test_graph_retraced_with_inductor_strides_runs_and_matches_the_oracle():
+    """The backend re-traces the graph with Inductor's decompositions (and strides): an
+    ``aten.view`` valid only for eager strides raised 'Cannot view a tensor with shape ...'."""
+    from _models import inductor_retrace_backend, loop_reference
+
+    from opake_compile import compile_dp
+
+    model = _empty_cache_model()
+    x = torch.randn(5, 3, 8, dtype=torch.float64, generator=seeded(2))
+    step = compile_dp(_attn_loss, model=model, clipping_norm=0.5, physical_batch_size=4, backend=inductor_retrace_backend())
+    out = step(x)
+    want, norms = loop_reference(model, _attn_loss, (x,), 0.5)
+    assert bool((norms > 0.5).any())
+    for k, g in out.clipped.grads.items():
+        torch.testing.assert_close(g, want[k].to(g.dtype), rtol=1e-9, atol=1e-12)
+
+
+def test_views_of_storage_written_in_place_stay_views():
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 6, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x) + 1.0
+            flat = y.view(y.shape[0], 2, 3)
+            flat.mul_(2.0)  # writes through the view into y
+            return y.pow(2).sum()
+
+    model = InPlace()
+    x = torch.randn(3, 4, dtype=torch.float64, generator=seeded(3))
+    traced = trace_per_example_grads(model, lambda m, x: m(x), (x,), batched_positions=(0,), physical_batch_size=3)
+    mutated = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.mul_.Tensor]
+    assert mutated, "the in-place op was not traced as one"
+    for node in mutated:
+        assert node.args[0].target is torch.ops.aten.view.default, node.args[0].format_node()
+    grads = _run_raw(traced, model, (x,))[1:]
+    _, want = _loop_grads(model, lambda m, x: m(x), (x,))
+    for k, g in zip(traced.layout.trainable, grads):
+        torch.testing.assert_close(g, want[k])
+
+
+@pytest.mark.inductor
+def test_empty_cache_attention_under_inductor():
+    from _models import loop_reference
+
+    from opake_compile import compile_dp
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        from _models import EmptyCacheAttention
+
+        model = EmptyCacheAttention()
+    x = torch.randn(3, 2, 8, generator=seeded(4))
+    out = compile_dp(_attn_loss, model=model, clipping_norm=0.5, physical_batch_size=4, backend="inductor")(x)
+    want, _ = loop_reference(model, _attn_loss, (x,), 0.5)
+    for k, g in out.clipped.grads.items():
+        torch.testing.assert_close(g.double(), want[k], rtol=1e-4, atol=1e-5)

@@ -470,3 +470,68 @@ def test_empty_collate_rejects_non_callable():
 def test_module_exports():
     assert set(F.__all__) == {"make_functional", "with_batch_dim", "empty_collate", "merge"}
     assert F.merge is pytree.merge
+
+
+# ------------------------------------------------------------------- empty_collate(example=...)
+@pytest.mark.parametrize("kind", ["tuple", "dict", "namedtuple", "nested"])
+def test_empty_collate_with_example_knows_the_structure_before_any_batch(kind):
+    calls = []
+
+    def collate_fn(batch):
+        calls.append(len(batch))
+        return default_collate(batch)
+
+    examples = _examples(kind, 4)
+    collate = F.empty_collate(collate_fn, example=examples[0])
+    empty = collate([])  # the very first batch is empty
+    assert 0 not in calls, "an empty batch reached collate_fn"
+    full = collate(examples)
+    assert type(empty) is type(full)
+    if kind == "dict":
+        assert empty["name"] == []
+        full = {k: v for k, v in full.items() if k != "name"}
+        empty = {k: v for k, v in empty.items() if k != "name"}
+    full_leaves, full_def = pytree.tree_flatten(full)
+    empty_leaves, empty_def = pytree.tree_flatten(empty)
+    assert full_def == empty_def and len(full_leaves) >= 2
+    for a, b in zip(full_leaves, empty_leaves):
+        assert isinstance(b, torch.Tensor)
+        assert b.shape == (0, *a.shape[1:]) and b.dtype == a.dtype
+    # The learned structure travels with the pickle (DataLoader workers).
+    again = pickle.loads(pickle.dumps(F.empty_collate(default_collate, example=examples[0])))
+    assert type(again([])) is type(full)
+
+
+def test_empty_collate_example_that_cannot_be_collated_is_a_configuration_error():
+    def collate_fn(batch):
+        return torch.stack(batch)
+
+    with pytest.raises(ConfigurationError, match="example"):
+        F.empty_collate(collate_fn, example="not a tensor")
+    with pytest.raises(InputTypeError):
+        F.empty_collate(42, example=torch.zeros(2))
+
+
+def test_poisson_loader_whose_first_batch_is_empty_runs_with_the_example_form():
+    """The README's DataLoader recipe with a small q*N: the first Poisson batch is empty."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from opake_compile import random as oprandom
+    from opake_compile.sampling import PoissonSampler
+
+    ds = TensorDataset(torch.randn(20, 3, generator=_gen(3)), torch.arange(20) % 2)
+    rate = 0.05  # q*N = 1: about a third of the batches are empty
+    seed = next(s for s in range(200) if len(next(iter(PoissonSampler(len(ds), rate, key=oprandom.key(s))))) == 0)
+    sampler = PoissonSampler(len(ds), rate, key=oprandom.key(seed))
+    loader = DataLoader(ds, batch_sampler=sampler, collate_fn=F.empty_collate(default_collate, example=ds[0]))
+    sizes = []
+    for x, y in loader:
+        assert x.shape[1:] == (3,) and x.dtype == torch.float32 and y.dtype == torch.int64
+        assert x.shape[0] == y.shape[0]
+        sizes.append(x.shape[0])
+    assert sizes[0] == 0 and len(sizes) == len(sampler)
+    # Without the example the same first batch reaches default_collate, which refuses it.
+    plain = DataLoader(ds, batch_sampler=PoissonSampler(len(ds), rate, key=oprandom.key(seed)),
+                       collate_fn=F.empty_collate(default_collate))
+    with pytest.raises(IndexError):
+        next(iter(plain))

@@ -57,15 +57,37 @@ class Emitter:
         self.before = before
         vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
         self.fake_mode = detect_fake_mode(vals)
+        #: Every node this emitter inserted, in order (see :meth:`erase_since`).
+        self.created: list[fx.Node] = []
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(op, args, kwargs)
+        self.created.append(node)  # before its value is computed, which may raise
         fake_args = torch.fx.node.map_arg(args, val)
         fake_kwargs = torch.fx.node.map_arg(kwargs, val)
         with self._mode():
             node.meta["val"] = op(*fake_args, **fake_kwargs)
         return node
+
+    def mark(self) -> int:
+        """A position in :attr:`created` to roll back to with :meth:`erase_since`."""
+        return len(self.created)
+
+    def erase_since(self, mark: int) -> None:
+        """Erase the nodes inserted since ``mark`` (last first, so users go before their
+        inputs). For a rewrite that failed or gave up halfway: nothing it emitted stays in the
+        graph (dead-code elimination would keep in-place ops, and nodes without a value break
+        later passes).
+
+        Raises:
+            RuntimeError: one of them is used by a node this emitter did not insert since
+                ``mark`` (the caller redirected uses before it was sure of the rewrite).
+        """
+        for node in reversed(self.created[mark:]):
+            if not getattr(node, "_erased", False):
+                self.graph.erase_node(node)
+        del self.created[mark:]
 
     @contextmanager
     def _mode(self) -> Iterator[None]:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from opake_compile.exceptions import UnsupportedOperationError
+
 __all__ = ["CompileCounter", "lower"]
 
 
@@ -40,8 +42,23 @@ class _LazyCompiled:
 
     def __call__(self, *args: Any) -> Any:
         if self.fn is None:
-            self.fn = self.backend(self.gm, list(args))
+            try:
+                self.fn = self.backend(self.gm, list(args))
+            except UnsupportedOperationError:
+                raise
+            except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
+                raise UnsupportedOperationError(
+                    f"The backend {_backend_name(self.backend)} could not compile the DP step's graph "
+                    f"({type(err).__name__}: {err}). The graph itself is the reference path: run it "
+                    "with backend='aot_eager' (or backend=None) to train this model now, and report "
+                    "the model and this message."
+                ) from err
         return self.fn(*args)
+
+
+def _backend_name(backend: Any) -> str:
+    inner = backend.backend if isinstance(backend, CompileCounter) else backend
+    return repr(getattr(inner, "__name__", type(inner).__name__))
 
 
 def lower(gm: fx.GraphModule, backend: str | Callable[..., Any] | None, counter: CompileCounter | None = None) -> Callable[..., Any]:

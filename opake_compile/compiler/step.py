@@ -481,8 +481,11 @@ def compile_dp(
     Raises:
         ConfigurationError: C <= 0 or NaN; batched arguments disagree on the batch size.
         InputTypeError: wrong argument types; no trainable parameter.
-        UnsupportedOperationError: BatchNorm in training mode, or a loss that cannot be traced
-            per example (the message names the module or the failing op).
+        UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
+            per example (the message names the module or the failing op), or a backend that
+            cannot compile the traced graph (at the first call; the message says so). A rewrite
+            rule that cannot apply is never an error: that parameter keeps the materialised
+            path and :meth:`DPStep.describe` says why.
 
     Example::
 

@@ -19,8 +19,10 @@ materialised per-example gradient per trainable parameter. The pass stage
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -31,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
-__all__ = ["InputLayout", "TracedGraph", "check_model_supported", "trace_per_example_grads"]
+__all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,100 @@ class _LossModule(nn.Module):
 
     def forward(self, *args: Any) -> torch.Tensor:
         return self._loss_fn(self.model, *args)
+
+
+def _is_view_op(target: Any) -> bool:
+    """Whether ``target`` returns an alias of its first argument (``Tensor(a)`` in its schema)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    rets = target._schema.returns
+    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
+
+
+def relax_stride_assumptions(gm: fx.GraphModule) -> int:
+    """Replace ``aten.view`` / ``aten._unsafe_view`` by ``aten.reshape`` where nothing can tell
+    the difference. In place; returns how many nodes were replaced.
+
+    ``make_fx`` records the ``view`` calls that the eager kernels made, each valid for the
+    strides the *eager* kernels produced. A backend that traces the graph again may lay out
+    intermediates differently (Inductor's decomposition of ``cat`` with an empty part, as in
+    a Hugging Face decoder's empty key/value cache, returns another stride), and a ``view``
+    of such a tensor raises "Cannot view a tensor with shape ... and strides ...". ``reshape``
+    is a view whenever one is possible and a copy otherwise, so it computes the same values
+    under any layout. The one observable difference is aliasing, so views stay views in any
+    storage group (tensors linked by view ops) that an in-place op writes to.
+    """
+    graph = gm.graph
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def root(n: fx.Node) -> fx.Node:
+        while parent.get(n, n) is not n:
+            n = parent[n]
+        return n
+
+    for node in graph.nodes:
+        if node.op == "call_function" and _is_view_op(node.target) and node.args and isinstance(node.args[0], fx.Node):
+            parent[root(node)] = root(node.args[0])
+    written = set()
+    for node in graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            for arg in node.all_input_nodes:
+                written.add(root(arg))
+    relaxable = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in relaxable or not isinstance(node.args[0], fx.Node):
+            continue
+        if root(node) in written or root(node.args[0]) in written:
+            continue
+        node.target = torch.ops.aten.reshape.default
+        count += 1
+    return count
+
+
+def _failing_module(model: nn.Module, err: BaseException) -> str:
+    """`` in module 'name' (Type)`` for the innermost module of ``model`` whose code was running
+    when ``err`` was raised (read from the traceback), or ``""`` if none was."""
+    names = {}
+    for name, mod in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(mod), name)
+    found = None
+    for frame, _ in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            found = owner
+    if found is None:
+        return ""
+    return f" in module {names[id(found)] or '<root>'!r} ({type(found).__name__})"
+
+
+@contextlib.contextmanager
+def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
+    """Restore every parameter, buffer and submodule slot of ``model`` after tracing.
+
+    ``functional_call`` swaps fake tensors into the model's slots and swaps the originals back
+    afterwards; when one object is reachable under several names (a submodule registered
+    twice, ``self.b = self.a``; a shared parameter or buffer), the swap back can restore a
+    fake tensor into a slot that was already swapped. Tracing must never modify the user's
+    model, so every slot is recorded by identity before and put back as it was after, whatever
+    the aliasing and whether tracing succeeded.
+    """
+    modules = list(model.modules())  # each module object once, aliases included
+    saved = [(m, store, dict(getattr(m, store))) for m in modules for store in ("_parameters", "_buffers", "_modules")]
+    try:
+        yield
+    finally:
+        for mod, store, before in saved:
+            slots = getattr(mod, store)
+            for key, obj in before.items():
+                if slots.get(key, _MISSING) is not obj:
+                    slots[key] = obj
+            for key in [k for k in slots if k not in before]:
+                del slots[key]
+
+
+_MISSING = object()
 
 
 def check_model_supported(model: nn.Module) -> None:
@@ -202,18 +298,23 @@ def trace_per_example_grads(
     mask = torch.zeros(physical_batch_size, dtype=torch.bool)
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
     try:
-        gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
-            *state_tensors, clip, mask, *tensor_leaves
-        )
+        with _model_left_unchanged(model):
+            gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
+                *state_tensors, clip, mask, *tensor_leaves
+            )
     except UnsupportedOperationError:
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
+        where = _failing_module(model, err)
         raise UnsupportedOperationError(
-            f"Could not trace the per-example gradient of loss_fn ({type(err).__name__}: {err}). "
+            f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "
             "compile_dp needs a loss whose operations are traceable without looking at data "
-            "values (no Python branches on tensor values, no .item()) and have vmap rules."
+            "values (no Python branches on tensor values, no .item()) and have vmap rules: "
+            "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
+            "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
     gm.graph.eliminate_dead_code()
+    relax_stride_assumptions(gm)
     gm.recompile()
     has_random = any(
         n.op == "call_function"

@@ -15,6 +15,10 @@ share of the clipped sum (``clipped_sum``). This pass
    ghost norm and the book-keeping sum. ``G`` becomes dead and is never computed.
 
 Parameters with no match keep the materialised path; the report says which path each took.
+A rule that raises, or that gives up after emitting nodes, never breaks the step: every node
+emitted for that parameter is erased again (the graph is left exactly as the clip pass made it
+for that parameter) and the parameter keeps the materialised path, with the reason in the
+report's notes (shown by ``DPStep.describe``).
 """
 
 from __future__ import annotations
@@ -139,11 +143,41 @@ def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[li
     return factors, why
 
 
+class _RuleFailed(Exception):
+    """Emitting a matched rewrite raised: the parameter falls back to the materialised path."""
+
+
+def _call_rule(name: str, rule: Callable[..., Factor | None], em: Emitter, failures: list[str], *args: object) -> Factor | None:
+    """``rule(em, *args)`` as a transaction: if it raises or gives up (``None``), every node it
+    emitted is erased and, for an exception, the reason is appended to ``failures``. A rule
+    that fails is a rule that does not match; the next rule gets its chance."""
+    mark = em.mark()
+    try:
+        f = rule(em, *args)
+    except Exception as err:  # noqa: BLE001 - any failure of a rule means "no match", reported
+        em.erase_since(mark)
+        failures.append(f"the {name} rule failed ({type(err).__name__}: {err})")
+        return None
+    if f is None:
+        em.erase_since(mark)
+    return f
+
+
 def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
+    failures: list[str] = []
+    found, why = _match_rules_inner(em, g, p, enabled, failures)
+    if found is None and failures:
+        why = "; ".join(failures)
+    return found, why
+
+
+def _match_rules_inner(
+    em: Emitter, g: fx.Node, p: int, enabled: frozenset[str], failures: list[str]
+) -> tuple[list[Factor], str] | tuple[None, str]:
     for name, rule in WHOLE_RULES.items():
         if name not in enabled:
             continue
-        f = rule(em, g, p)
+        f = _call_rule(name, rule, em, failures, g, p)
         if f is not None:
             return [f], "ok"
     top = _matrix_form(g)
@@ -153,7 +187,7 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
     factors = []
     for term, flipped in _terms(top, False):
         for name, rule in RULES.items():
-            f = rule(em, term, flipped, p) if name in enabled else None
+            f = _call_rule(name, rule, em, failures, term, flipped, p) if name in enabled else None
             if f is not None:
                 break
         else:
@@ -260,70 +294,123 @@ def _ghost_clipping(
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
     # kept.all(), read by every book-keeping call: computed once, before the output.
     all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
-    p = None
     for name, sq in sq_nodes.items():
-        g = _gradient_of(sq)
-        p = shape(g)[0]
         wanted = force.get(name, "auto")
         if wanted == "materialized":
             coverage[name] = "materialized (forced)"
             continue
+        # Transaction: every node emitted while trying this parameter is erased again unless
+        # the rewrite completes (a rule may raise, or give up, after emitting nodes).
         # Factor nodes go right after G's inputs would be ideal; before the norm is enough,
-        # since every operand of G precedes it.
-        em = Emitter(graph, before=sq)
-        factors, why = _match(em, g, p, enabled)
-        if factors is None:
+        # since every operand of G precedes it. The sums go before the output.
+        em, em_out = Emitter(graph, before=sq), Emitter(graph, before=out_node)
+        grams_before = dict(grams)
+        done = False
+        try:
+            label, why, used = _rewrite_parameter(
+                em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
+                bookkeeping, grams, kept, factor, sum_acc, all_kept,
+            )
+            done = used is not None
+        except _RuleFailed as err:
             if wanted != "auto":
-                raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: no rewrite rule matches this parameter ({why}).")
-            if len(shape(g)) == 2:
-                # Biases and normalisation affine parameters: the per-example gradient is a
-                # (P, d) vector, as small as the activations it comes from. Nothing to gain.
-                coverage[name] = "direct (per-example vector)"
-            else:
-                notes[name] = why
-            continue
-        rules = "+".join(sorted({f.rule for f in factors}))
-        dense = not any(f.onehot for f in factors)
-        if wanted == "mixed" and not dense:
-            raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
-        mixed = wanted == "mixed"
-        mixable = all(f.rule in _MIXED_RULES for f in factors)
-        # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
-        # keeping the traced per-example gradient (conv), only flops: materialising costs memory
-        # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
-        # non-private step when the float64 factor was applied there too).
-        ghost = ghost_cost(factors, p) // (1 if mixable else GRAM_COST_FACTOR)
-        if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
-            if not mixable:
-                # The traced form (e.g. oneDNN's grouped convolution backward) forms the
-                # per-example gradient at least as fast as an explicit product would.
-                coverage[name] = "materialized (cheaper than ghost)"
-                continue
-            mixed = True
+                raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: {err}.") from err.__cause__
+            label, why, used = None, f"{err}; kept on the materialised path", None
+        finally:
+            if not done:  # the sums use the norm-side nodes: erase them first
+                em_out.erase_since(0)
+                em.erase_since(0)
+                grams.clear()
+                grams.update(grams_before)
+        if label is not None:
+            coverage[name] = label
+        if why is not None:
+            notes[name] = why
+        for rule in used or ():
+            matches[rule] = matches.get(rule, 0) + 1
+    if not all_kept.users:
+        graph.erase_node(all_kept)
+    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
+
+
+def _rewrite_parameter(
+    em: Emitter,
+    em_out: Emitter,
+    name: str,
+    sq: fx.Node,
+    mass: fx.Node,
+    old_sum: fx.Node,
+    wanted: str,
+    enabled: frozenset[str],
+    bookkeeping: str,
+    grams: dict,
+    kept: fx.Node,
+    factor: fx.Node,
+    sum_acc: torch.dtype,
+    all_kept: fx.Node,
+) -> tuple[str | None, str | None, list[str] | None]:
+    """Try to rewrite one parameter's norm and clipped sum.
+
+    Returns:
+        ``(coverage label or None, note or None, matched rule names or None)``; the graph is
+        changed only when the rule names are returned (the caller erases anything emitted
+        otherwise; norm-side nodes go through ``em``, sum-side nodes through ``em_out``).
+
+    Raises:
+        _RuleFailed: a rule or the emission of its replacement raised.
+        ConfigurationError: a forced path cannot apply.
+    """
+    g = _gradient_of(sq)
+    p = shape(g)[0]
+    factors, why = _match(em, g, p, enabled)
+    if factors is None:
+        if wanted != "auto":
+            raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: no rewrite rule matches this parameter ({why}).")
+        if len(shape(g)) == 2:
+            # Biases and normalisation affine parameters: the per-example gradient is a
+            # (P, d) vector, as small as the activations it comes from. Nothing to gain.
+            return "direct (per-example vector)", None, None
+        return None, why, None
+    rules = "+".join(sorted({f.rule for f in factors}))
+    dense = not any(f.onehot for f in factors)
+    if wanted == "mixed" and not dense:
+        raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
+    mixed = wanted == "mixed"
+    mixable = all(f.rule in _MIXED_RULES for f in factors)
+    # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
+    # keeping the traced per-example gradient (conv), only flops: materialising costs memory
+    # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
+    # non-private step when the float64 factor was applied there too).
+    ghost = ghost_cost(factors, p) // (1 if mixable else GRAM_COST_FACTOR)
+    if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
+        if not mixable:
+            # The traced form (e.g. oneDNN's grouped convolution backward) forms the
+            # per-example gradient at least as fast as an explicit product would.
+            return "materialized (cheaper than ghost)", None, None
+        mixed = True
+    try:
         if mixed:
             # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming the
             # per-example gradient, so form it for the norm only; the sum stays book-keeping.
             new_sq, new_mass = emit_sq_norm_materialized(em, factors, sum_acc)
-            coverage[name] = f"bk:{rules} (norm materialized)"
+            label = f"bk:{rules} (norm materialized)"
         else:
             new_sq, new_mass = emit_sq_norm(em, factors, grams)
-            coverage[name] = f"ghost:{rules}"
-        sq.replace_all_uses_with(new_sq)
-        mass_nodes[name].replace_all_uses_with(new_mass)
-        old_sum = sum_nodes[name]
-        em_out = Emitter(graph, before=out_node)
+            label = f"ghost:{rules}"
         summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
-        summed.meta["opake_role"] = ("clipped_sum", name)
-        old_sum.replace_all_uses_with(summed)
-        for f in factors:
-            for node in f.cleanup:
-                graph.erase_node(node)
-        for f in factors:
-            matches[f.rule] = matches.get(f.rule, 0) + 1
-    if not all_kept.users:
-        graph.erase_node(all_kept)
-    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
+    except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
+        raise _RuleFailed(f"emitting the {rules} rewrite failed ({type(err).__name__}: {err})") from err
+    # Everything is emitted: only now redirect the uses (nothing above changed the graph's
+    # existing nodes, so a failure before this point is undone by erasing the new nodes).
+    summed.meta["opake_role"] = ("clipped_sum", name)
+    sq.replace_all_uses_with(new_sq)
+    mass.replace_all_uses_with(new_mass)
+    old_sum.replace_all_uses_with(summed)
+    for f in factors:
+        for node in f.cleanup:
+            em.graph.erase_node(node)
+    return label, None, [f.rule for f in factors]
 
 
 def _gradient_of(sq: fx.Node) -> fx.Node:
