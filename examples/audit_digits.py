@@ -39,7 +39,7 @@ among the top 2 scores, 10 among the top 354), with 60 epochs 83 %, with 80 epoc
 
 Run it::
 
-    python examples/audit_digits.py                         # m = 1000 canaries, plot audit_digits.png
+    python examples/audit_digits.py                         # m = 1000 canaries, plot audit_digits.png (4-8 min)
     python examples/audit_digits.py --canaries 500 --scores gradient --plot g.png
 
 From Python (tests do this)::
