@@ -56,7 +56,8 @@ def test_both_runs_are_audited(summary):
     warned = " ".join(nonp["not_private_warnings"])
     assert "clipping_norm=inf" in warned and "noise_multiplier=0" in warned
     text = ad.format_summary(s)
-    assert "lower bound" in text and "verdict" in text
+    assert "lower bound" in text and "verdict" in text and "of the GDP ceiling" in text
+    assert "guess rule" in text
 
 
 def test_histogram_png_written(summary):
