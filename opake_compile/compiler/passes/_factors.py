@@ -49,6 +49,8 @@ __all__ = [
     "ghost_cost",
     "materialized_cost",
     "emit_sq_norm",
+    "fast_gram_ok",
+    "FAST_GRAM_OVERCLIP",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
 ]
@@ -98,7 +100,7 @@ def materialized_cost(factors: list[Factor], p: int) -> int:
 GRAM_COST_FACTOR = 2
 
 
-def ghost_cost(factors: list[Factor], p: int) -> int:
+def ghost_cost(factors: list[Factor], p: int, gram_cost_factor: int = GRAM_COST_FACTOR) -> int:
     """Cost of the Gram-matrix norms: per pair of terms, ``P K_f K_g (R + C)`` for dense left
     factors, ``P K_f K_g (1 + C)`` when a one-hot factor turns its Gram into a gather or a
     comparison, times :data:`GRAM_COST_FACTOR`. (The book-keeping sum costs what the
@@ -108,7 +110,7 @@ def ghost_cost(factors: list[Factor], p: int) -> int:
         for g in factors:
             left = 1 if (f.onehot or g.onehot) else f.rows
             total += p * f.k * g.k * (left + f.cols)
-    return GRAM_COST_FACTOR * total
+    return gram_cost_factor * total
 
 
 def _as_dtype(em: Emitter, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -181,7 +183,29 @@ def _b_key(f: Factor) -> object:
     return value_key(f.b)
 
 
-def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) -> tuple[fx.Node, fx.Node]:
+def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
+    """Whether float32 Gram matrices are accurate enough here (:func:`emit_sq_norm`).
+
+    Their rigorous error bound is ``(gamma_R + gamma_C) S^2``, so the bound added to the
+    squared norm inflates an ordinary example's norm (``sq ~ S^2 / K``) by about
+    ``(gamma_R + gamma_C) K``. Float32 Grams are used when that is at most
+    :data:`FAST_GRAM_OVERCLIP` (0.4 %); wider layers or longer sequences get float64 ones."""
+    if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
+        return False
+    u = unit_roundoff(torch.float32, matmul=True)
+    rows = max([f.rows for f in factors if not f.onehot] + [0])
+    cols = max(f.cols for f in factors)
+    k = sum(f.k for f in factors)
+    return (gamma(rows, u) + gamma(cols, u)) * k <= FAST_GRAM_OVERCLIP
+
+
+#: The largest typical norm inflation (relative) accepted from float32 Gram matrices.
+FAST_GRAM_OVERCLIP = 4e-3
+
+
+def emit_sq_norm(
+    em: Emitter, factors: list[Factor], grams: dict | None = None, gram_dtype: torch.dtype = NORM_DTYPE
+) -> tuple[fx.Node, fx.Node]:
     """Ghost norm: an upper bound on the per-example squared Frobenius norm of
     ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
 
@@ -200,13 +224,15 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
     parameter precede every later parameter's norm, so reusing them keeps the graph ordered.
     """
     grams = {} if grams is None else grams
-    acc = NORM_DTYPE
+    fast = gram_dtype != NORM_DTYPE
+    acc = gram_dtype
     unscale = None
-    if any(val(f.b).dtype == NORM_DTYPE for f in factors):
+    if fast or any(val(f.b).dtype == NORM_DTYPE for f in factors):
         # Float64 factors: their products are not exact in float64 and their squares can
         # underflow (an example with |a| ~ 1e-170, |b| ~ 1e170 would get norm 0 and escape
-        # clipping). Scale them by exact powers of two first and undo it at the end.
-        factors, unscale = _rescale_float64(em, factors, grams)
+        # clipping). Float32 Gram matrices: the same in float32 (|b| ~ 1e-23). Scale the
+        # factors by exact powers of two first and undo it at the end.
+        factors, unscale = _rescale_float64(em, factors, grams, gram_dtype)
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -222,14 +248,17 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
             b_key = (_b_key(f), _b_key(g), acc)
             if f.k == 1 and g.k == 1 and not f.onehot and not g.onehot:
                 # Rank one (Goodfellow 2015): <a_f, a_g> <b_f, b_g> with vectors.
-                pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, acc), _as_dtype(em, g.a, acc)), [1, 2])
-                pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, bs[j], bs[k]), [1, 2]))
+                nd = NORM_DTYPE
+                pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, g.a, nd)), [1, 2])
+                pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, bs[j], nd), _as_dtype(em, bs[k], nd)), [1, 2]))
                 term = em(aten.mul.Tensor, pa, pb)
                 if k == j:
                     s_parts.append(em(aten.sqrt.default, term))
             else:
                 ga = _gram_a(em, f, g, acc)
                 gb = cached(("gram",) + b_key, lambda: em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2)))
+                if fast:  # products of two float32 entries are exact in float64: reduce there
+                    ga, gb = _as_dtype(em, ga, NORM_DTYPE), _as_dtype(em, gb, NORM_DTYPE)
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
                 if k == j:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
@@ -243,16 +272,17 @@ def emit_sq_norm(em: Emitter, factors: list[Factor], grams: dict | None = None) 
     s = s_parts[0]
     for part in s_parts[1:]:
         s = em(aten.add.Tensor, s, part)
+    s = _as_dtype(em, s, NORM_DTYPE)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
-        total = _bound_rounding(factors, total, mass_sq, em)
+        total = _bound_rounding(factors, total, mass_sq, em, gram_dtype)
     if unscale is not None:
         total, mass_sq = unscale(total), unscale(mass_sq)
     return total, mass_sq
 
 
 def _rescale_float64(
-    em: Emitter, factors: list[Factor], cache: dict | None = None
+    em: Emitter, factors: list[Factor], cache: dict | None = None, dtype: torch.dtype = NORM_DTYPE
 ) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
     """Factors scaled per example by exact powers of two (largest entry in [1/2, 1)), and the
     function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
@@ -273,13 +303,16 @@ def _rescale_float64(
         return em(aten._to_copy.default, em(aten.clamp.default, e, -1000, 1000), dtype=NORM_DTYPE)
 
     def scaled(node: fx.Node, e: fx.Node) -> fx.Node:
+        # The product is formed in float64 (exact) and rounded to ``dtype``: entries far below
+        # the largest may lose bits in float32 (absolute error under 2^-149 after scaling).
         s = em(aten.exp2.default, em(aten.neg.default, e))
-        return em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
+        out = em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
+        return _as_dtype(em, out, dtype)
 
     if cache is not None and len(factors) == 1:
         # One term: its right factor's scale depends on that factor alone, so layers reading
         # the same input (q/k/v) share the scaled node, and with it their Gram matrix.
-        key = ("scaled_b", _b_key(factors[0]))
+        key = ("scaled_b", _b_key(factors[0]), dtype)
         if key not in cache:
             e = exponent([factors[0].b])
             cache[key] = (e, scaled(factors[0].b, e))
@@ -304,7 +337,7 @@ def _rescale_float64(
     return out, unscale
 
 
-def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Emitter) -> fx.Node:
+def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Emitter, gram_dtype: torch.dtype = NORM_DTYPE) -> fx.Node:
     """``sq + 2 n u S^2``: above the exact squared norm whatever the rounding.
 
     ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs bounded by ``S^2``; each
@@ -314,7 +347,16 @@ def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Em
     (``sq ~ S^2 / K``), decisive on positions that nearly cancel, where the Gram value alone
     could be far too small and the clip factor too large."""
     n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
-    return em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))))
+    coef = 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))
+    if gram_dtype != NORM_DTYPE:
+        # Float32 Gram entries: each within gamma_R ||a_k|| ||a_l|| (gamma_C for b), the
+        # products and the K^2-term sum exact-ish in float64; S itself is read off rounded
+        # diagonals, hence the factor 2. Plus the float32 underflow of scaled entries.
+        u = unit_roundoff(torch.float32, matmul=True)
+        g_r = gamma(max([f.rows for f in factors if not f.onehot] + [1]), u)
+        g_c = gamma(max(f.cols for f in factors), u)
+        coef += 2.0 * (g_r + g_c + g_r * g_c) + n * FLOAT32_TINY
+    return em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, coef))
 
 
 def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> tuple[fx.Node, fx.Node]:

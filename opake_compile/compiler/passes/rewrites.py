@@ -34,6 +34,7 @@ from opake_compile.compiler.passes._base import PassReport
 from opake_compile.compiler.passes._factors import (
     GRAM_COST_FACTOR,
     Factor,
+    fast_gram_ok,
     emit_clipped_sum,
     emit_sq_norm,
     emit_sq_norm_materialized,
@@ -41,6 +42,7 @@ from opake_compile.compiler.passes._factors import (
     materialized_cost,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
+from opake_compile.compiler.passes.numerics import NORM_DTYPE
 from opake_compile.compiler.passes.ghost_embedding import match_embedding
 from opake_compile.compiler.passes.ghost_matmul import match_matmul
 from opake_compile.exceptions import ConfigurationError
@@ -381,7 +383,10 @@ def _rewrite_parameter(
     # keeping the traced per-example gradient (conv), only flops: materialising costs memory
     # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
     # non-private step when the float64 factor was applied there too).
-    ghost = ghost_cost(factors, p) // (1 if mixable else GRAM_COST_FACTOR)
+    # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
+    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
+    cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
+    ghost = ghost_cost(factors, p, cost_factor)
     if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
         if not mixable:
             # The traced form (e.g. oneDNN's grouped convolution backward) forms the
@@ -395,7 +400,7 @@ def _rewrite_parameter(
             new_sq, new_mass = emit_sq_norm_materialized(em, factors, sum_acc)
             label = f"bk:{rules} (norm materialized)"
         else:
-            new_sq, new_mass = emit_sq_norm(em, factors, grams)
+            new_sq, new_mass = emit_sq_norm(em, factors, grams, gram_dtype)
             label = f"ghost:{rules}"
         summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
