@@ -192,6 +192,8 @@ def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     :data:`FAST_GRAM_OVERCLIP` (0.4 %); wider layers or longer sequences get float64 ones."""
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
+    if all(f.k == 1 and not f.onehot for f in factors):
+        return False  # rank one: no Gram matrix; the float64 dot products are exact and cheap
     u = unit_roundoff(torch.float32, matmul=True)
     rows = max([f.rows for f in factors if not f.onehot] + [0])
     cols = max(f.cols for f in factors)
@@ -227,12 +229,12 @@ def emit_sq_norm(
     fast = gram_dtype != NORM_DTYPE
     acc = gram_dtype
     unscale = None
-    if fast or any(val(f.b).dtype == NORM_DTYPE for f in factors):
+    if not fast and any(val(f.b).dtype == NORM_DTYPE for f in factors):
         # Float64 factors: their products are not exact in float64 and their squares can
         # underflow (an example with |a| ~ 1e-170, |b| ~ 1e170 would get norm 0 and escape
-        # clipping). Float32 Gram matrices: the same in float32 (|b| ~ 1e-23). Scale the
-        # factors by exact powers of two first and undo it at the end.
-        factors, unscale = _rescale_float64(em, factors, grams, gram_dtype)
+        # clipping). Scale them by exact powers of two first and undo it at the end.
+        factors, unscale = _rescale_float64(em, factors, grams)
+    fast_norms = _position_norms(em, factors) if fast else None
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -272,13 +274,60 @@ def emit_sq_norm(
     s = s_parts[0]
     for part in s_parts[1:]:
         s = em(aten.add.Tensor, s, part)
+    if fast:
+        # Float32 Gram diagonals can under- or overflow: S from float64 per-position norms.
+        s = fast_norms[0]
     s = _as_dtype(em, s, NORM_DTYPE)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         total = _bound_rounding(factors, total, mass_sq, em, gram_dtype)
+    if fast:
+        total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
     if unscale is not None:
         total, mass_sq = unscale(total), unscale(mass_sq)
     return total, mass_sq
+
+
+def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """In float64, from the factors themselves: ``S = sum_j sum_k ||a_jk|| ||b_jk||`` and the
+    squared Frobenius norms ``||A||^2``, ``||B||^2`` summed over terms, each shape (P,).
+    One read of every factor, nothing large written (float32 Gram matrices, whose diagonals
+    could underflow, are not trusted for these)."""
+    nd = NORM_DTYPE
+    s = fa = fb = None
+    for f in factors:
+        b = _b_of(em, f, nd)
+        nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, b, b), [2])  # (P, K)
+        if f.onehot:
+            na = None  # unit rows: ||a_k|| = 1
+            part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
+            fa_part = em(aten.mul.Tensor, em(aten.sum.dim_IntList, em(aten.mul.Tensor, nb, 0.0), [1]), 0.0)
+            fa_part = em(aten.add.Tensor, fa_part, float(f.k))
+        else:
+            a = _as_dtype(em, f.a, nd)
+            na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, a, a), [1])  # (P, K)
+            part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
+            fa_part = em(aten.sum.dim_IntList, na, [1])
+        fb_part = em(aten.sum.dim_IntList, nb, [1])
+        s = part if s is None else em(aten.add.Tensor, s, part)
+        fa = fa_part if fa is None else em(aten.add.Tensor, fa, fa_part)
+        fb = fb_part if fb is None else em(aten.add.Tensor, fb, fb_part)
+    return s, fa, fb
+
+
+def _bound_underflow(em: Emitter, factors: list[Factor], sq: fx.Node, fa: fx.Node, fb: fx.Node) -> fx.Node:
+    """Add what float32 underflow can hide in the Gram form: every product that underflows
+    loses at most 2^-149, so a Gram entry of B is off by at most ``C 2^-149`` besides its
+    relative rounding, and ``sum_kl |<a_k, a_l>| <= K ||A||_F^2``. Hence
+    ``|error| <= 2^-149 K (C ||A||^2 + R ||B||^2) + K^2 R C 2^-298``, added (doubled). On
+    ordinary data this is ~10^-40 of the norm; on |b| ~ 10^-23 it is what keeps the example
+    clipped (fault 2 of the soundness issue, in Gram form)."""
+    k = sum(f.k for f in factors)
+    r = max([f.rows for f in factors if not f.onehot] + [1])
+    c = max(f.cols for f in factors)
+    term = em(aten.add.Tensor, em(aten.mul.Tensor, fa, float(c)), em(aten.mul.Tensor, fb, float(r)))
+    term = em(aten.add.Tensor, em(aten.mul.Tensor, term, 2.0 * k * FLOAT32_TINY), 2.0 * k * k * r * c * FLOAT32_TINY**2)
+    return em(aten.add.Tensor, sq, term)
 
 
 def _rescale_float64(
