@@ -91,6 +91,7 @@ def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_in
     for name, g in zip(param_names, grads):
         p = shape(g)
         sq = set_role(numerics.emit_sq_sum(em, em(aten.reshape.default, g, [p[0], -1])), "sq_norm", name)
+        sq.meta["opake_gradient"] = g  # what the rewrite passes decompose
         # What enters this parameter's sum from example i is f_i g_i itself: its mass is its norm.
         m = set_role(em(aten.mul.Tensor, sq, 1.0), "sum_mass", name)
         total = sq if total is None else em(aten.add.Tensor, total, sq)

@@ -156,9 +156,18 @@ def effective_clipping_norm(clipping_norm: float, dtype: torch.dtype) -> float:
 
 
 def emit_sq_sum(em: Emitter, flat: fx.Node) -> fx.Node:
-    """Row-wise sum of squares of a ``(P, N)`` node in :data:`NORM_DTYPE`. For float32 and
-    lower inputs every square is exact and no square underflows; float64 inputs under about
-    2^-500 may underflow, which only matters for C below :data:`MIN_CLIPPING_NORM`."""
+    """Row-wise sum of squares of a ``(P, N)`` node, or an upper bound on it, in
+    :data:`NORM_DTYPE`. Long rows of float32 and lower inputs are summed in float64, where
+    every square is exact and none underflows; short ones (N u <= 10^-4) in float32, bounded
+    above. Float64 inputs under about 2^-500 may underflow, which only matters for C below
+    :data:`MIN_CLIPPING_NORM`."""
+    n = int(val(flat).shape[1])
+    if val(flat).dtype != NORM_DTYPE and gamma(n, unit_roundoff(torch.float32)) <= 1e-4:
+        # Short rows (biases, normalisation weights): a float32 sum of squares (vectorised)
+        # bounded above by (1 + gamma_n) and n 2^-149 for underflowing squares.
+        x32 = flat if val(flat).dtype == torch.float32 else em(aten._to_copy.default, flat, dtype=torch.float32)
+        sq = em(aten._to_copy.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, x32, x32), [1]), dtype=NORM_DTYPE)
+        return em(aten.add.Tensor, em(aten.mul.Tensor, sq, 1.0 + gamma(n, unit_roundoff(torch.float32))), n * FLOAT32_TINY)
     x = flat if val(flat).dtype == NORM_DTYPE else em(aten._to_copy.default, flat, dtype=NORM_DTYPE)
     return em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, x), [1])
 

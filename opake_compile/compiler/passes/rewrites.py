@@ -419,14 +419,11 @@ def _rewrite_parameter(
 
 
 def _gradient_of(sq: fx.Node) -> fx.Node:
-    """The per-example gradient ``G`` a tagged ``sq_norm`` node reduces."""
-    node = sq
-    # sq = sum(mul(flat, flat), [1]); flat = [to_copy](reshape(G))
-    node = node.args[0].args[0]
-    if node.target is aten._to_copy.default:
-        node = node.args[0]
-    assert node.target is aten.reshape.default, "clip pass layout changed"
-    return node.args[0]
+    """The per-example gradient ``G`` a tagged ``sq_norm`` node reduces (recorded by the clip
+    pass)."""
+    g = sq.meta.get("opake_gradient")
+    assert g is not None, "clip pass layout changed"
+    return g
 
 
 REWRITE_PASSES = [ghost_clipping]
