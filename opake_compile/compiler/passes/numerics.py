@@ -13,22 +13,28 @@ of each linear term, ``G_i = sum_t b_it a_it^T``), ``S_i = sum_t ||a_it|| ||b_it
 materialised gradient, its norm), and ``u`` for the unit roundoff of the sum dtype. Three
 things are needed:
 
-1. *A norm that is never too small.* Every path computes an upper bound ``nu_i >= ||G_i||``:
+1. *A norm that is never too small.* Every path computes an upper bound ``nu_i >= ||G_i||``
+   from quantities that cannot underflow unnoticed:
 
-   - squared norms are formed in float64 (:data:`NORM_DTYPE`) whatever the parameter dtype: a
-     product of two or four float32 / bfloat16 / float16 numbers is exact in float64 and can
-     neither underflow nor overflow there (|x| in [2^-149, 2^128] gives products of four in
-     [2^-596, 2^512]), so the failure "||b||^2 underflows to 0, the norm is 0, the example is
-     not clipped" cannot happen;
+   - sums of squares with no cancellation (rank-one norms ``||a||^2 ||b||^2``, per-position
+     norms, short per-example vectors such as biases) are float32 reductions bounded above by
+     ``(1 + gamma_n)`` plus ``n 2^-149`` for squares that underflow (an example with
+     ``|b| ~ 10^-23`` is then over-clipped, never under-clipped: the failure "||b||^2
+     underflows to 0, the norm is 0, the example is not clipped" cannot happen); long
+     materialised rows are summed in float64 (:data:`NORM_DTYPE`), where products of float32
+     numbers are exact and cannot underflow;
    - float64 factors (float64 models) are first scaled per example by exact powers of two
      (largest entry in [1/2, 1)) and the squared norm scaled back, so that |a| ~ 10^-170 with
      |b| ~ 10^170 still gives the right norm; a squared norm beyond float64's range makes the
      example non-finite (dropped and counted), one that underflows belongs to a gradient far
      below the smallest admissible C (2^-100);
-   - Gram-form (ghost) norms add the worst-case rounding bound of their float64 evaluation,
-     ``2 n u_64 S_i^2`` with n = R + C + K^2 + 4 terms in the longest chain: about 10^-10 of
-     ``S_i^2``, so ordinary examples are not over-clipped (the float32 Gram form needed a bound
-     ~10^8 times larger, which inflated GPT-2-width norms by 26 % at T = 128);
+   - Gram-form (ghost) norms: where the layer is narrow and short enough that the bound below
+     inflates an ordinary norm by at most 0.4 % (``(gamma_R + gamma_C) K``), the Gram matrices
+     are float32 products reduced in float64, and ``2 (gamma_R + gamma_C) S_i^2`` plus an
+     absolute term for float32 underflow (``2^-149 K (C ||A||^2 + R ||B||^2)``) is added;
+     elsewhere they are float64 end to end and ``2 n u_64 S_i^2`` (~10^-10 relative) is added.
+     The float32 Gram form with a threshold-based guard inflated GPT-2-width norms by 26 % at
+     T = 128 and 1,430 % at T = 1024;
    - the mixed path (per-example gradient formed by a float32 ``bmm`` for its norm only, the
      sum book-kept) adds ``gamma_K S_i`` to the norm of the float32 product, since every entry
      of a length-K dot product is within ``gamma_K sum_t |a_t| |b_t|`` of the exact one
