@@ -39,7 +39,14 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
-from opake_compile.compiler.passes.numerics import FLOAT32_TINY, NORM_DTYPE, emit_sq_sum, gamma, unit_roundoff
+from opake_compile.compiler.passes.numerics import (
+    FLOAT32_TINY,
+    NORM_DTYPE,
+    emit_sq_sum,
+    emit_sum_sq_bound,
+    gamma,
+    unit_roundoff,
+)
 
 aten = torch.ops.aten
 
@@ -103,8 +110,9 @@ GRAM_COST_FACTOR = 2
 def ghost_cost(factors: list[Factor], p: int, gram_cost_factor: int = GRAM_COST_FACTOR) -> int:
     """Cost of the Gram-matrix norms: per pair of terms, ``P K_f K_g (R + C)`` for dense left
     factors, ``P K_f K_g (1 + C)`` when a one-hot factor turns its Gram into a gather or a
-    comparison, times :data:`GRAM_COST_FACTOR`. (The book-keeping sum costs what the
-    non-private weight gradient costs.)"""
+    comparison, times ``gram_cost_factor`` (:data:`GRAM_COST_FACTOR` for float64 Gram
+    matrices, 1 for float32 ones). (The book-keeping sum costs what the non-private weight
+    gradient costs.)"""
     total = 0
     for f in factors:
         for g in factors:
@@ -193,7 +201,7 @@ def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
     if all(f.k == 1 and not f.onehot for f in factors):
-        return False  # rank one: no Gram matrix; the float64 dot products are exact and cheap
+        return False  # rank one: no Gram matrix, only sums of squares (bounded above)
     u = unit_roundoff(torch.float32, matmul=True)
     rows = max([f.rows for f in factors if not f.onehot] + [0])
     cols = max(f.cols for f in factors)
@@ -211,11 +219,15 @@ def emit_sq_norm(
     """Ghost norm: an upper bound on the per-example squared Frobenius norm of
     ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
 
-    Error analysis (:mod:`.numerics`, point 1): every Gram entry, product and sum is evaluated
-    in float64 from the float32 (or lower) factors, whose products are exact there; the
-    result is within ``n u_64 S^2`` of the exact squared norm (n terms in the longest chain,
-    ``S = sum over positions of ||a_k|| ||b_k||``, read off the Gram diagonals), and that
-    bound is added. No square can underflow or overflow in float64.
+    Error analysis (:mod:`.numerics`, point 1). ``gram_dtype=float64``: every Gram entry,
+    product and sum is evaluated in float64 from the float32 (or lower) factors, whose products
+    are exact there; the result is within ``n u_64 S^2`` of the exact squared norm (n terms in
+    the longest chain, ``S = sum over positions of ||a_k|| ||b_k||``, read off the Gram
+    diagonals), and that bound is added; float64 factors are rescaled by powers of two first.
+    ``gram_dtype=float32`` (where :func:`fast_gram_ok`): float32 Gram matrices reduced in
+    float64, plus ``2 (gamma_R + gamma_C) S^2`` (:func:`_bound_rounding`) and a bound for
+    float32 underflow (:func:`_bound_underflow`), with S from bounded per-position norms.
+    Rank-one terms use sums of squares bounded above (``emit_sum_sq_bound``).
 
     Returns:
         ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
@@ -255,14 +267,14 @@ def emit_sq_norm(
                     # reduction; float64 ones cost ~10 % of a small MLP's step) and then bounded
                     # above rigorously: (1 + gamma_n) for the rounding, n 2^-149 for squares that
                     # underflow; one that overflows makes the example non-finite (dropped).
-                    pa = _sum_sq_upper(em, f.a, f.rows)
-                    pb = cached(("sumsq",) + b_key, lambda: _sum_sq_upper(em, f.b, f.cols))
+                    pa = emit_sum_sq_bound(em, f.a, [1, 2], f.rows)
+                    pb = cached(("sumsq",) + b_key, lambda: emit_sum_sq_bound(em, f.b, [1, 2], f.cols))
                 else:
                     nd = NORM_DTYPE
                     pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, g.a, nd)), [1, 2])
                     pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, bs[j], nd), _as_dtype(em, bs[k], nd)), [1, 2]))
                 term = em(aten.mul.Tensor, pa, pb)
-                if k == j:
+                if k == j and not fast:
                     s_parts.append(em(aten.sqrt.default, term))
             else:
                 ga = _gram_a(em, f, g, acc)
@@ -270,7 +282,7 @@ def emit_sq_norm(
                 if fast:  # products of two float32 entries are exact in float64: reduce there
                     ga, gb = _as_dtype(em, ga, NORM_DTYPE), _as_dtype(em, gb, NORM_DTYPE)
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
-                if k == j:
+                if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
                     # cancellation, and already computed.
                     da = em(aten.diagonal.default, ga, 0, 1, 2)
@@ -279,13 +291,13 @@ def emit_sq_norm(
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
-    s = s_parts[0]
-    for part in s_parts[1:]:
-        s = em(aten.add.Tensor, s, part)
     if fast:
-        # Float32 Gram diagonals can under- or overflow: S from float64 per-position norms.
+        # Float32 Gram diagonals can under- or overflow: S from bounded per-position norms.
         s = fast_norms[0]
-    s = _as_dtype(em, s, NORM_DTYPE)
+    else:
+        s = s_parts[0]
+        for part in s_parts[1:]:
+            s = em(aten.add.Tensor, s, part)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         total = _bound_rounding(factors, total, mass_sq, em, gram_dtype)
@@ -296,25 +308,6 @@ def emit_sq_norm(
     return total, mass_sq
 
 
-def _sum_sq_upper(em: Emitter, x: fx.Node, n: int) -> fx.Node:
-    """An upper bound on the per-example ``sum(x^2)`` of a ``(P, ...)`` float32-or-lower node,
-    in float64: the float32 sum times ``(1 + gamma_n)`` plus ``n 2^-149``."""
-    x32 = _as_dtype(em, x, torch.float32)
-    sq = em(aten.sum.dim_IntList, em(aten.mul.Tensor, x32, x32), list(range(1, len(shape(x)))))
-    sq = _as_dtype(em, sq, NORM_DTYPE)
-    return em(aten.add.Tensor, em(aten.mul.Tensor, sq, 1.0 + gamma(n, unit_roundoff(torch.float32))), n * FLOAT32_TINY)
-
-
-def _row_sq_upper(em: Emitter, x: fx.Node, dim: int, n: int) -> fx.Node:
-    """Upper bound, in float64, on the sums of squares of ``x`` along ``dim`` (length n): a
-    float32 sum (vectorised; float64 reductions are several times slower on CPU) times
-    ``(1 + gamma_n)``, plus ``n 2^-149`` for squares that underflow. A square that overflows
-    makes the bound inf and the example non-finite (dropped and counted)."""
-    x32 = _as_dtype(em, x, torch.float32)
-    sq = _as_dtype(em, em(aten.sum.dim_IntList, em(aten.mul.Tensor, x32, x32), [dim]), NORM_DTYPE)
-    return em(aten.add.Tensor, em(aten.mul.Tensor, sq, 1.0 + gamma(n, unit_roundoff(torch.float32))), n * FLOAT32_TINY)
-
-
 def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Node, fx.Node]:
     """Upper bounds, in float64, from the factors themselves: ``S = sum_j sum_k ||a_jk||
     ||b_jk||`` and the squared Frobenius norms ``||A||^2``, ``||B||^2`` summed over terms, each
@@ -322,23 +315,16 @@ def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Nod
     One read of every factor, nothing large written (float32 Gram matrices, whose diagonals
     could underflow, are not trusted for these)."""
     s = fa = fb = None
-
-    def row_sq(x: fx.Node, dim: int, n: int) -> fx.Node:
-        return _row_sq_upper(em, x, dim, n)
-
     for f in factors:
-        b = _b_of(em, f, torch.float32)
-        nb = row_sq(b, 2, f.cols)  # (P, K)
-        if f.onehot:
-            na = None  # unit rows: ||a_k|| = 1
+        nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)  # (P, K)
+        fb_part = em(aten.sum.dim_IntList, nb, [1])
+        if f.onehot:  # unit rows: ||a_k|| = 1, ||A||^2 = K
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
-            fa_part = em(aten.mul.Tensor, em(aten.sum.dim_IntList, em(aten.mul.Tensor, nb, 0.0), [1]), 0.0)
-            fa_part = em(aten.add.Tensor, fa_part, float(f.k))
+            fa_part = em(aten.full_like.default, fb_part, float(f.k))
         else:
-            na = row_sq(f.a, 1, f.rows)  # (P, K)
+            na = emit_sum_sq_bound(em, f.a, [1], f.rows)  # (P, K)
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
             fa_part = em(aten.sum.dim_IntList, na, [1])
-        fb_part = em(aten.sum.dim_IntList, nb, [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
         fa = fa_part if fa is None else em(aten.add.Tensor, fa, fa_part)
         fb = fb_part if fb is None else em(aten.add.Tensor, fb, fb_part)
@@ -361,7 +347,7 @@ def _bound_underflow(em: Emitter, factors: list[Factor], sq: fx.Node, fa: fx.Nod
 
 
 def _rescale_float64(
-    em: Emitter, factors: list[Factor], cache: dict | None = None, dtype: torch.dtype = NORM_DTYPE
+    em: Emitter, factors: list[Factor], cache: dict | None = None
 ) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
     """Factors scaled per example by exact powers of two (largest entry in [1/2, 1)), and the
     function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
@@ -382,16 +368,13 @@ def _rescale_float64(
         return em(aten._to_copy.default, em(aten.clamp.default, e, -1000, 1000), dtype=NORM_DTYPE)
 
     def scaled(node: fx.Node, e: fx.Node) -> fx.Node:
-        # The product is formed in float64 (exact) and rounded to ``dtype``: entries far below
-        # the largest may lose bits in float32 (absolute error under 2^-149 after scaling).
         s = em(aten.exp2.default, em(aten.neg.default, e))
-        out = em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
-        return _as_dtype(em, out, dtype)
+        return em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
 
     if cache is not None and len(factors) == 1:
         # One term: its right factor's scale depends on that factor alone, so layers reading
         # the same input (q/k/v) share the scaled node, and with it their Gram matrix.
-        key = ("scaled_b", _b_key(factors[0]), dtype)
+        key = ("scaled_b", _b_key(factors[0]))
         if key not in cache:
             e = exponent([factors[0].b])
             cache[key] = (e, scaled(factors[0].b, e))
@@ -428,9 +411,9 @@ def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Em
     n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
     coef = 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))
     if gram_dtype != NORM_DTYPE:
-        # Float32 Gram entries: each within gamma_R ||a_k|| ||a_l|| (gamma_C for b), the
-        # products and the K^2-term sum exact-ish in float64; S itself is read off rounded
-        # diagonals, hence the factor 2. Plus the float32 underflow of scaled entries.
+        # Float32 Gram entries: each within gamma_R ||a_k|| ||a_l|| (gamma_C for b); their
+        # products and the K^2-term sum are float64. A factor 2 of margin, and n 2^-149 more
+        # (underflow proper is bounded separately by _bound_underflow).
         u = unit_roundoff(torch.float32, matmul=True)
         g_r = gamma(max([f.rows for f in factors if not f.onehot] + [1]), u)
         g_c = gamma(max(f.cols for f in factors), u)
@@ -469,7 +452,7 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
             na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, f.a, nd)), [1])
             nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
         else:
-            na, nb = _row_sq_upper(em, f.a, 1, f.rows), _row_sq_upper(em, f.b, 2, f.cols)
+            na, nb = emit_sum_sq_bound(em, f.a, [1], f.rows), emit_sum_sq_bound(em, f.b, [2], f.cols)
         part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
     norm = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, g, [p, -1])))

@@ -99,6 +99,7 @@ __all__ = [
     "sum_dtype",
     "effective_clipping_norm",
     "emit_sq_sum",
+    "emit_sum_sq_bound",
     "emit_round_down",
 ]
 
@@ -169,13 +170,21 @@ def emit_sq_sum(em: Emitter, flat: fx.Node) -> fx.Node:
     :data:`MIN_CLIPPING_NORM`."""
     n = int(val(flat).shape[1])
     if val(flat).dtype != NORM_DTYPE and gamma(n, unit_roundoff(torch.float32)) <= 1e-4:
-        # Short rows (biases, normalisation weights): a float32 sum of squares (vectorised)
-        # bounded above by (1 + gamma_n) and n 2^-149 for underflowing squares.
-        x32 = flat if val(flat).dtype == torch.float32 else em(aten._to_copy.default, flat, dtype=torch.float32)
-        sq = em(aten._to_copy.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, x32, x32), [1]), dtype=NORM_DTYPE)
-        return em(aten.add.Tensor, em(aten.mul.Tensor, sq, 1.0 + gamma(n, unit_roundoff(torch.float32))), n * FLOAT32_TINY)
+        # Short rows (biases, normalisation weights).
+        return emit_sum_sq_bound(em, flat, [1], n)
     x = flat if val(flat).dtype == NORM_DTYPE else em(aten._to_copy.default, flat, dtype=NORM_DTYPE)
     return em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, x), [1])
+
+
+def emit_sum_sq_bound(em: Emitter, x: fx.Node, dims: list[int], n: int) -> fx.Node:
+    """Upper bound, in :data:`NORM_DTYPE`, on the sums of squares of a float32-or-lower ``x``
+    over ``dims`` (n terms each): a float32 sum (a vectorised reduction; float64 ones are
+    several times slower on CPU) times ``(1 + gamma_n)``, plus ``n 2^-149`` for squares that
+    underflow. No cancellation is possible, so the relative bound is rigorous; a square that
+    overflows makes the bound inf and the example non-finite (dropped and counted)."""
+    x32 = x if val(x).dtype == torch.float32 else em(aten._to_copy.default, x, dtype=torch.float32)
+    sq = em(aten._to_copy.default, em(aten.sum.dim_IntList, em(aten.mul.Tensor, x32, x32), dims), dtype=NORM_DTYPE)
+    return em(aten.add.Tensor, em(aten.mul.Tensor, sq, 1.0 + gamma(n, unit_roundoff(torch.float32))), n * FLOAT32_TINY)
 
 
 def emit_round_down(em: Emitter, x: fx.Node, dtype: torch.dtype) -> fx.Node:

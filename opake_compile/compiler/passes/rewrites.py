@@ -379,12 +379,12 @@ def _rewrite_parameter(
         raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
     mixed = wanted == "mixed"
     mixable = all(f.rule in _MIXED_RULES for f in factors)
+    # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
+    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
     # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
     # keeping the traced per-example gradient (conv), only flops: materialising costs memory
     # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
     # non-private step when the float64 factor was applied there too).
-    # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
-    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
     cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
     ghost = ghost_cost(factors, p, cost_factor)
     if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
