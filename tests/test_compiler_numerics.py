@@ -151,13 +151,13 @@ def _oracle_norms(model, loss, args) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-def _assert_norms_exact(model, loss, args, p):
+def _assert_norms_exact(model, loss, args, p, tol=0.01):
     step = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager")
     got = step(*args).clipped.per_example_norms.double()
     ref = _oracle_norms(model, loss, args)
     rel = (got - ref) / ref
     # At most 1 % above the float64 oracle, never below it by more than rho.
-    assert float(rel.max()) <= 0.01, rel
+    assert float(rel.max()) <= tol, rel
     assert float(rel.min()) >= -numerics.rho(torch.float32), rel
     return step, rel
 
@@ -236,6 +236,18 @@ def test_bench_cnn_and_lora_norms_are_exact():
     xs = torch.randn(4, 16, 64, generator=_gen(14))  # LoRA over a sequence: the mixed path's home
     step, _ = _assert_norms_exact(lora, lambda m, x: m(x).tanh().sum(), (xs,), 4)
     assert set(step.coverage) == {"a.weight", "b.weight"}
+
+
+def test_mixed_path_norms_stay_exact_over_long_sequences():
+    # A narrow layer over a long sequence takes the mixed path. Its float32 product's bound
+    # over-clipped by 0.39 % at T = 8192 (1.5 % at T = 32768); the float64 product keeps the
+    # norm within 1e-6 of the oracle.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(15)
+        lin = nn.Linear(16, 16, bias=False)
+    x, y = torch.randn(2, 8192, 16, generator=_gen(15)), torch.randn(2, 8192, 16, generator=_gen(16))
+    step, _ = _assert_norms_exact(lin, lambda m, x, y: (m(x) - y).square().sum(dim=(1, 2)).mean(), (x, y), 2, tol=1e-6)
+    assert step.coverage == {"weight": "bk:linear (norm materialized)"}
 
 
 # ----------------------------------------------------------------------------- forcing paths

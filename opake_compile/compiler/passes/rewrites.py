@@ -40,6 +40,7 @@ from opake_compile.compiler.passes._factors import (
     emit_sq_norm_materialized,
     ghost_cost,
     materialized_cost,
+    mixed_product_dtype,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
@@ -387,7 +388,9 @@ def _rewrite_parameter(
     # non-private step when the float64 factor was applied there too).
     cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
     ghost = ghost_cost(factors, p, cost_factor)
-    if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
+    # A float64 mixed product (long sequences) costs about what a float64 Gram form does.
+    mixed_factor = GRAM_COST_FACTOR if (mixable and mixed_product_dtype(factors, sum_acc) != sum_acc) else 1
+    if wanted == "auto" and dense and ghost > materialized_cost(factors, p) * mixed_factor:
         if not mixable:
             # The traced form (e.g. oneDNN's grouped convolution backward) forms the
             # per-example gradient at least as fast as an explicit product would.
