@@ -20,8 +20,8 @@ graph. Both use the ghost-norm and book-keeping rewrites of ``compile_dp`` where
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -115,7 +115,8 @@ class _Session:
         self.loss_reduction = loss_reduction
         self.backend = backend
         self.key = key
-        self.physical_batch_size = physical_batch_size or _default_physical_batch_size(max(1, int(math.ceil(expected_batch_size))))
+        self.default_physical_batch_size = physical_batch_size or _default_physical_batch_size(max(1, int(math.ceil(expected_batch_size))))
+        self.physical_batch_size = self.default_physical_batch_size
         self.current: _Meta | None = None
         self.parts: list[_Part] = []
         self.steps: dict[Any, DPStep] = {}
@@ -491,11 +492,26 @@ class BatchMemoryManager:
     def __enter__(self) -> DPDataLoader:
         session = self.data_loader._session
         self._saved = session.physical_batch_size
-        session.physical_batch_size = self.max_physical_batch_size
+        # Chunks are at most max_physical_batch_size rows; the compiled step pads each to its
+        # physical size, so padding to more than the default for the expected batch is waste.
+        session.physical_batch_size = min(self.max_physical_batch_size, session.default_physical_batch_size)
         return self.data_loader._split(self.max_physical_batch_size)
 
     def __exit__(self, *exc: Any) -> None:
         self.data_loader._session.physical_batch_size = self._saved
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated_sigma(epsilon: float, delta: float, q: float, n: int, steps: int, method: str) -> float:
+    """The smallest sigma with ``poisson(gaussian(sigma), q) * steps`` within (epsilon, delta)
+    (deterministic, so cached: the same script run for several seeds calibrates once)."""
+    return _acc.calibrate(
+        _acc.epsilon_budget(epsilon, delta=delta),
+        lambda s: _acc.dpsgd_step_process(s, q, dataset_size=n) * steps,
+        0.1,
+        100.0,
+        accountant=method,
+    ).param
 
 
 class _AccountantView:
@@ -573,8 +589,9 @@ class PrivacyEngine:
     def make_private_with_epsilon(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, criterion: Any = None, data_loader: DataLoader, target_epsilon: float, target_delta: float, epochs: int, max_grad_norm: float, **kwargs: Any) -> tuple:
         """``make_private`` with the noise multiplier that spends ``target_epsilon`` at
         ``target_delta`` over ``epochs * len(data_loader)`` steps at q = 1 / len(data_loader),
-        found by :func:`opake_compile.accounting.calibrate` with this engine's accountant. The
-        optimizer then refuses (``PrivacyBudgetExhaustedError``) a step past that budget.
+        found by :func:`opake_compile.accounting.calibrate` with this engine's accountant. As in
+        Opacus, training longer than ``epochs`` is not stopped: ``get_epsilon`` reports what was
+        spent (use :class:`opake_compile.DPOptimizer`'s ``budget=`` for a hard stop).
 
         Other arguments: as :meth:`make_private`. Returns: as :meth:`make_private`.
         """
@@ -584,14 +601,7 @@ class PrivacyEngine:
         steps = epochs * len(data_loader)
         q = 1.0 / len(data_loader)
         n = len(data_loader.dataset)
-        budget = _acc.epsilon_budget(target_epsilon, delta=target_delta)
-        sigma = _acc.calibrate(
-            budget,
-            lambda s: _acc.dpsgd_step_process(s, q, dataset_size=n) * steps,
-            0.1,
-            100.0,
-            accountant=self._accountant,
-        ).param
+        sigma = _calibrated_sigma(float(target_epsilon), float(target_delta), q, n, steps, self._accountant.method)
         return self.make_private(
             module=module,
             optimizer=optimizer,
@@ -599,7 +609,6 @@ class PrivacyEngine:
             data_loader=data_loader,
             noise_multiplier=sigma,
             max_grad_norm=max_grad_norm,
-            _budget=budget,
             **kwargs,
         )
 
@@ -622,7 +631,6 @@ class PrivacyEngine:
         rand_on_empty: bool = False,
         key: Any = None,
         physical_batch_size: int | None = None,
-        _budget: Any = None,
         **kwargs: Any,
     ) -> tuple:
         """Opacus's ``make_private``: returns ``(model, optimizer, data_loader)``, and in ghost
@@ -727,7 +735,7 @@ class PrivacyEngine:
             physical_batch_size=physical_batch_size,
         )
         inner = optimizer if loss_reduction == "mean" else _RescaledOptimizer(optimizer, q * n)
-        dp = _OpakeDPOptimizer(inner, noise_multiplier=noise_multiplier, sampler=sampler, key=noise_key, accountant=self._accountant, budget=_budget)
+        dp = _OpakeDPOptimizer(inner, noise_multiplier=noise_multiplier, sampler=sampler, key=noise_key, accountant=self._accountant)
         dp_optimizer = DPOptimizer(optimizer, dp, session, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
         session.optimizer = dp_optimizer
         collate = data_loader.collate_fn or default_collate

@@ -167,9 +167,12 @@ class TapeTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         if len(tapes) != 1:
-            for tape in tapes.values():
-                tape.mixed = True
-            return _plain(out)
+            # Several forward passes meet here: whatever derives from this is refused at
+            # backward (a tape of its own, marked mixed).
+            first = next(iter(tapes.values()))
+            tape = Tape(first.owner, first.meta)
+            tape.mixed = True
+            return tape.record(func, args, kwargs, _plain(out))
         (tape,) = tapes.values()
         return tape.record(func, args, kwargs, _plain(out))
 
