@@ -164,8 +164,12 @@ class TapeTensor(torch.Tensor):
                 tapes[id(leaf._tape)] = leaf._tape
         if func is torch.Tensor.backward:
             return args[0]._tape.owner.backward(*args, **kwargs)
+        # Run on plain views (same data): Python-level Tensor methods that test
+        # ``type(self) is Tensor`` (``__format__``, ``__repr__``) then behave as usual.
+        plain_args = optree.tree_map(_plain, args, none_is_leaf=True)
+        plain_kwargs = optree.tree_map(_plain, kwargs, none_is_leaf=True)
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
+            out = func(*plain_args, **plain_kwargs)
         if len(tapes) != 1:
             # Several forward passes meet here: whatever derives from this is refused at
             # backward (a tape of its own, marked mixed).
