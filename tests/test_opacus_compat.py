@@ -285,6 +285,15 @@ def test_losses_that_mix_examples_are_refused(mode, make_loss, match):
     assert popt.dp.steps == 0
 
 
+def test_loss_reading_a_batch_statistic_without_batch_dim_refused():
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=12, batch_size=4, sigma=1.0, C=1.0)
+    with pytest.raises(UnsupportedOperationError, match="whose value changed since the first step"):
+        for x, y in loader:  # the mean label differs between draws
+            (criterion(pmodel(x), y) * (1 + y.float().mean())).backward()
+            popt.step()
+            popt.zero_grad()
+
+
 def test_backward_twice_and_two_forwards_refused():
     engine, model, pmodel, popt, criterion, loader = _private("hooks", sigma=1.0, C=1.0)
     x, y = next(iter(loader))

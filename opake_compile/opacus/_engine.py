@@ -120,6 +120,7 @@ class _Session:
         self.current: _Meta | None = None
         self.parts: list[_Part] = []
         self.steps: dict[Any, DPStep] = {}
+        self.constants: dict[Any, torch.Tensor] = {}
         self.optimizer: DPOptimizer | None = None
 
     # --------------------------------------------------------------- forward
@@ -187,6 +188,7 @@ class _Session:
         batched_args = [isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == n for a in args]
         root = tape.root_value
         externals, batched_ext = _tape.split_externals(program, tape, n)
+        self._check_broadcast(program, externals, batched_ext)
         if n == 0:
             step = self._step(("empty", self.mode), lambda m, *a: m(*a[: len(args)]).sum(), [i for i, b in enumerate(batched_args) if b])
             return step(*args).clipped
@@ -213,6 +215,25 @@ class _Session:
         key = ("ghost", nargs, tuple(batched_args), tuple(batched_ext), program.key())
         step = self._step(key, full, positions)
         return step(*args, *externals).clipped
+
+    def _check_broadcast(self, program: _tape.Program, externals: list[torch.Tensor], batched: list[bool]) -> None:
+        """Tensors the loss reads without a batch dimension (class weights, constants) must be
+        the same at every step: one computed from the batch (a statistic of the labels) would
+        scale every example's loss by something all examples share."""
+        for i, (t, b) in enumerate(zip(externals, batched)):
+            if b:
+                continue
+            key = (program.key(), i)
+            seen = self.constants.get(key)
+            if seen is None:
+                self.constants[key] = t.detach().clone()
+            elif seen.shape != t.shape or not torch.equal(seen, t.detach().to(seen.device)):
+                raise UnsupportedOperationError(
+                    f"The loss reads a tensor without a batch dimension (shape {tuple(t.shape)}) "
+                    "whose value changed since the first step: if it is computed from the batch (a "
+                    "statistic of the labels), it mixes examples. Give per-example values the "
+                    "batch dimension; keep constants (class weights) constant."
+                )
 
     def _step(self, key: Any, fn: Callable[..., Any], positions: list[int]) -> DPStep:
         key = (key, self.physical_batch_size)
