@@ -47,11 +47,11 @@ def _data(n=12, seed=1):
     return TensorDataset(torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g))
 
 
-def _private(mode="hooks", *, n=12, batch_size=12, sigma=0.0, C=1e6, reduction="mean", seed=0, **kw):
+def _private(mode="hooks", *, n=12, batch_size=12, sigma=0.0, C=1e6, reduction="mean", seed=0, accountant="prv", **kw):
     model = _mlp(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     criterion = nn.CrossEntropyLoss(reduction=reduction)
-    engine = PrivacyEngine(backend=BACKEND)
+    engine = PrivacyEngine(backend=BACKEND, accountant=accountant)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)
         out = engine.make_private(
@@ -159,6 +159,7 @@ def test_opacus_script_ghost_mode(tmp_path):
     assert result["epsilon"] <= 3.0 * 1.001 and result["accuracy"] > 0.5
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_sigma_matches_opacus_at_the_same_target_epsilon():
     """Cheap CI check against Opacus: the noise multiplier each engine calibrates for the
     script's setting (prv in Opacus, PLD here) agrees within 2 %."""
@@ -211,15 +212,19 @@ def test_empty_poisson_batch_steps_with_pure_noise():
     assert engine.get_epsilon(1e-5) == pytest.approx(expected)
 
 
-def test_skipped_draw_is_charged():
-    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=12, batch_size=4, sigma=1.0, C=1.0)
+@pytest.mark.parametrize("accountant, method", [("prv", "pld"), ("rdp", "rdp")])
+def test_skipped_draw_is_charged_and_get_epsilon_is_the_accountants(accountant, method):
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=12, batch_size=4, sigma=1.0, C=1.0, accountant=accountant)
+    assert engine.accountant.mechanism() == method
     for i, (x, y) in enumerate(loader):
         if i == 1:
             continue  # e.g. "if len(x) == 0: continue": the draw was still made
         criterion(pmodel(x), y).backward()
         popt.step()
         popt.zero_grad()
-    assert popt.dp.steps == 3
+    assert popt.dp.steps == len(engine.accountant) == 3
+    process = opake.accounting.dpsgd_step_process(1.0, 1 / 3, dataset_size=12) * 3
+    assert engine.get_epsilon(1e-5) == pytest.approx(opake.accounting.Accountant(method).epsilon(process, 1e-5))
 
 
 def test_batch_memory_manager_one_step_per_draw_same_result():
