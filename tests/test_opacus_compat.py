@@ -8,7 +8,6 @@ script at the same target epsilon.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import math
 import sys
@@ -395,6 +394,11 @@ def test_module_validator_fix_as_opacus():
     assert ModuleValidator.validate(fixed) == []
     assert isinstance(ModuleValidator.fix(nn.BatchNorm1d(8), replace_bn_with_in=True), nn.InstanceNorm1d)
     assert ModuleValidator.fix(nn.BatchNorm1d(8), num_groups=2).num_groups == 2
+
+
+def test_module_validator_fix_agrees_with_opacus():
     opacus = pytest.importorskip("opacus")
+    model = nn.Sequential(nn.Conv2d(1, 48, 3), nn.BatchNorm2d(48))
+    fixed = ModuleValidator.fix(model)
     theirs = opacus.validators.ModuleValidator.fix(model)
     assert type(theirs[1]) is type(fixed[1]) and theirs[1].num_groups == fixed[1].num_groups

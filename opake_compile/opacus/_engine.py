@@ -731,7 +731,7 @@ class PrivacyEngine:
             raise ConfigurationError("The optimizer has parameters that are not the module's.")
         if grad_sample_mode == "ghost":
             if criterion is None:
-                raise ConfigurationError("grad_sample_mode='ghost' needs the criterion (as in Opacus).")
+                criterion = nn.CrossEntropyLoss(reduction=loss_reduction)  # Opacus's default
             reduction = getattr(criterion, "reduction", loss_reduction)
             if reduction != loss_reduction:
                 raise ConfigurationError(
