@@ -1,0 +1,351 @@
+"""The loss program of an eager Opacus-style loop, recorded so it can be run per example.
+
+The compatibility layer's model returns its output as a :class:`TapeTensor`: an ordinary tensor
+holding the real values (so ``loss.item()``, accuracy and logging work before ``.backward()``)
+whose ``__torch_function__`` records every torch operation applied to it and to what derives
+from it. ``loss.backward()`` on the result is intercepted: the recorded operations from the
+model output to the loss form a small program ``f(output, *external tensors)``, which can be
+evaluated again on one example at a time (a batch of one, under ``torch.func.vmap``) or compiled
+together with the model by ``compile_dp``.
+
+That is what makes the per-example gradients per example *by construction*: every per-example
+quantity comes from the program run on a batch of one, never from the batch's autograd graph.
+:func:`check_separable` then compares the program on the whole batch with the per-example
+values and refuses a loss that mixes examples (or whose reduction is not the declared one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from opake_compile.exceptions import UnsupportedOperationError
+
+__all__ = ["Program", "Tape", "TapeTensor", "check_separable"]
+
+# Functions whose non-tensor result carries data values (not shapes or metadata). A Python
+# number obtained this way and fed back into the loss would scale every example's gradient
+# by a statistic of the whole batch.
+_DATA_SCALARS = {"item", "tolist", "__float__", "__int__", "__index__", "numpy", "__array__"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:  # not a tuple: optree must treat it as a leaf
+    node: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ext:
+    index: int
+
+
+@dataclasses.dataclass
+class _Op:
+    func: Callable[..., Any]
+    args: Any
+    kwargs: Any
+    outs: tuple[tuple[int | None, int], ...]  # (position in a tuple result or None, node)
+
+
+class Tape:
+    """Operations recorded from one model output (node 0) onward.
+
+    Attributes:
+        owner: the object whose ``backward(loss)`` a ``loss.backward()`` calls.
+        meta: what the forward recorded (the inputs and the draw they came from).
+        ops, externals: the recorded operations and the tensors they read that do not derive
+            from the output (labels, class weights).
+        tainted: Python numbers read out of derived tensors (``.item()``, ``.tolist()``).
+        mixed: an operation combined this output with another forward's output.
+        consumed: ``backward`` already ran on this tape.
+    """
+
+    def __init__(self, owner: Any, meta: Any) -> None:
+        self.owner = owner
+        self.meta = meta
+        self.ops: list[_Op] = []
+        self.externals: list[torch.Tensor] = []
+        self._ext_ids: dict[int, int] = {}
+        self.tainted: list[float] = []
+        self.mixed = False
+        self.consumed = False
+        self._next = 1
+
+    def root(self, value: torch.Tensor) -> TapeTensor:
+        """The model output as node 0 (``root_value`` keeps it as a plain tensor)."""
+        self.root_value = value
+        return TapeTensor._wrap(value, self, 0)
+
+    def _spec(self, leaf: Any) -> Any:
+        if isinstance(leaf, TapeTensor):
+            return _Ref(leaf._node)
+        if isinstance(leaf, torch.Tensor):
+            i = self._ext_ids.get(id(leaf))
+            if i is None or self.externals[i] is not leaf:
+                i = len(self.externals)
+                self.externals.append(leaf)
+                self._ext_ids[id(leaf)] = i
+            return _Ext(i)
+        return leaf
+
+    def record(self, func: Callable[..., Any], args: tuple, kwargs: dict, out: Any) -> Any:
+        name = getattr(func, "__name__", "")
+        if isinstance(out, torch.Tensor):
+            node = self._next
+            self._next += 1
+            self._add(func, args, kwargs, ((None, node),))
+            return TapeTensor._wrap(out, self, node)
+        if isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out):
+            outs = tuple((i, self._next + i) for i in range(len(out)))
+            self._next += len(out)
+            self._add(func, args, kwargs, outs)
+            wrapped = [TapeTensor._wrap(o, self, node) for o, (_, node) in zip(out, outs)]
+            try:
+                return type(out)(wrapped)
+            except TypeError:
+                return tuple(wrapped)
+        if name in _DATA_SCALARS:
+            self.tainted.extend(
+                float(v) for v in optree.tree_leaves(out) if isinstance(v, (int, float)) and not isinstance(v, bool)
+            )
+        return out
+
+    def _add(self, func: Callable[..., Any], args: tuple, kwargs: dict, outs: tuple) -> None:
+        spec_args = optree.tree_map(self._spec, args, none_is_leaf=True)
+        spec_kwargs = optree.tree_map(self._spec, kwargs, none_is_leaf=True)
+        self.ops.append(_Op(func, spec_args, spec_kwargs, outs))
+
+    def program(self, target: TapeTensor) -> Program:
+        """The operations that lead from the output to ``target``, in order."""
+        needed = {target._node}
+        ops: list[_Op] = []
+        for op in reversed(self.ops):
+            if not any(node in needed for _, node in op.outs):
+                continue
+            ops.append(op)
+            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                if isinstance(leaf, _Ref):
+                    needed.add(leaf.node)
+        ops.reverse()
+        used = sorted(
+            {l.index for op in ops for l in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True) if isinstance(l, _Ext)}
+        )
+        return Program(ops=tuple(ops), target=target._node, externals=tuple(used), tainted=tuple(self.tainted))
+
+
+class TapeTensor(torch.Tensor):
+    """A tensor that records the operations applied to it on its :class:`Tape`.
+
+    It holds real values; only ``.backward()`` behaves differently (it hands the loss to the
+    tape's owner). Results of operations on it are ``TapeTensor`` s of the same tape.
+    """
+
+    _tape: Tape
+    _node: int
+
+    @staticmethod
+    def _wrap(value: torch.Tensor, tape: Tape, node: int) -> TapeTensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            t = value.as_subclass(TapeTensor)
+        t._tape = tape
+        t._node = node
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tapes = {}
+        for leaf in optree.tree_leaves((args, kwargs), none_is_leaf=True):
+            if isinstance(leaf, TapeTensor):
+                tapes[id(leaf._tape)] = leaf._tape
+        if func is torch.Tensor.backward:
+            return args[0]._tape.owner.backward(*args, **kwargs)
+        # Run on plain views (same data): Python-level Tensor methods that test
+        # ``type(self) is Tensor`` (``__format__``, ``__repr__``) then behave as usual.
+        plain_args = optree.tree_map(_plain, args, none_is_leaf=True)
+        plain_kwargs = optree.tree_map(_plain, kwargs, none_is_leaf=True)
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*plain_args, **plain_kwargs)
+        if len(tapes) != 1:
+            # Several forward passes meet here: whatever derives from this is refused at
+            # backward (a tape of its own, marked mixed).
+            first = next(iter(tapes.values()))
+            tape = Tape(first.owner, first.meta)
+            tape.mixed = True
+            return tape.record(func, args, kwargs, _plain(out))
+        (tape,) = tapes.values()
+        return tape.record(func, args, kwargs, _plain(out))
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor.__repr__(self.as_subclass(torch.Tensor))
+
+
+def _plain(out: Any) -> Any:
+    """``out`` with any TapeTensor (an in-place result) viewed as a plain tensor."""
+    if isinstance(out, TapeTensor):
+        with torch._C.DisableTorchFunctionSubclass():
+            return out.as_subclass(torch.Tensor)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, TapeTensor) for o in out):
+        items = [_plain(o) for o in out]
+        try:
+            return type(out)(items)
+        except TypeError:
+            return tuple(items)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """``f(output, *externals) -> loss``: the recorded operations from node 0 to ``target``."""
+
+    ops: tuple[_Op, ...]
+    target: int
+    externals: tuple[int, ...]  # indices into Tape.externals the program reads, in order
+    tainted: tuple[float, ...]
+
+    def __call__(self, output: torch.Tensor, externals: Sequence[torch.Tensor]) -> torch.Tensor:
+        values: dict[int, Any] = {0: output}
+        ext = dict(zip(self.externals, externals))
+
+        def value(leaf: Any) -> Any:
+            if isinstance(leaf, _Ref):
+                return values[leaf.node]
+            if isinstance(leaf, _Ext):
+                return ext[leaf.index]
+            return leaf
+
+        for op in self.ops:
+            args = optree.tree_map(value, op.args, none_is_leaf=True)
+            kwargs = optree.tree_map(value, op.kwargs, none_is_leaf=True)
+            try:
+                out = op.func(*args, **kwargs)
+            except Exception as err:  # report which recorded operation failed
+                raise UnsupportedOperationError(
+                    f"The loss cannot be evaluated one example at a time: {_name(op.func)} raised "
+                    f"{type(err).__name__}: {err}. Write the loss without naming the batch size "
+                    "(view(-1, k) or flatten(1) instead of view(batch, -1); reduction='mean' or "
+                    "'sum' instead of dividing by len(x))."
+                ) from err
+            for pos, node in op.outs:
+                values[node] = out if pos is None else out[pos]
+        return values[self.target]
+
+    def key(self) -> Any:
+        """A hashable description (functions and constants; tensors by position)."""
+        return tuple((op.func, repr(op.args), repr(op.kwargs), op.outs) for op in self.ops), self.target, self.externals
+
+    def check_constants(self) -> None:
+        """Refuse a program that uses a number read out of the batch (``loss.item()``)."""
+        if not self.tainted:
+            return
+        tainted = set(self.tainted)
+        for op in self.ops:
+            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                if isinstance(leaf, (int, float)) and not isinstance(leaf, bool) and float(leaf) in tainted:
+                    raise UnsupportedOperationError(
+                        f"The loss uses the number {leaf!r}, read out of the batch (.item(), "
+                        f".tolist(), float(...)), in {_name(op.func)}: it would scale every "
+                        "example's gradient by a statistic of the whole batch, which mixes "
+                        "examples. Keep such values out of the loss (detach()ed tensors are "
+                        "fine: they are evaluated per example)."
+                    )
+
+
+def _name(func: Any) -> str:
+    qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    mod = getattr(func, "__module__", None)
+    return f"{mod}.{qual}" if mod and not qual.startswith("Tensor") else qual
+
+
+def split_externals(program: Program, tape: Tape, n: int) -> tuple[list[torch.Tensor], list[bool]]:
+    """The external tensors the program reads and whether each is batched (leading dim n)."""
+    tensors = [_plain(tape.externals[i]) for i in program.externals]
+    batched = [t.dim() >= 1 and t.shape[0] == n for t in tensors]
+    return tensors, batched
+
+
+def per_example(program: Program, output: torch.Tensor, externals: list[torch.Tensor], batched: list[bool], *, with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(losses (n,), grads (n, *output.shape[1:]) or None)``: the program on each example
+    alone (a batch of one), and its gradient with respect to that example's output row."""
+
+    def loss_one(o: torch.Tensor, *b: torch.Tensor) -> torch.Tensor:
+        it = iter(b)
+        ext = [next(it).unsqueeze(0) if bt else t for t, bt in zip(externals, batched)]
+        value = program(o.unsqueeze(0), ext)
+        if value.dim() != 0:
+            raise UnsupportedOperationError(
+                f"The loss of one example has shape {tuple(value.shape)}, not a scalar: reduce it "
+                "with reduction='mean' or 'sum' (loss.backward() needs a scalar)."
+            )
+        return value
+
+    b_ext = [t for t, bt in zip(externals, batched) if bt]
+    if with_grad:
+        grads, losses = torch.func.vmap(torch.func.grad_and_value(loss_one))(output, *b_ext)
+        return losses, grads
+    return torch.func.vmap(loss_one)(output, *b_ext), None
+
+
+def check_separable(
+    program: Program,
+    output: torch.Tensor,
+    externals: list[torch.Tensor],
+    batched: list[bool],
+    batch_loss: torch.Tensor,
+    losses: torch.Tensor,
+    reduction: str,
+    grads: torch.Tensor | None = None,
+) -> None:
+    """Refuse a loss that is not ``reduction`` over independent per-example losses.
+
+    Checks, on this batch: the loss equals the mean (or sum) of the per-example losses; the
+    program on the batch without its last example equals the mean (or sum) of the others (a
+    loss that divides by the batch size it was called with, or reads other examples' labels,
+    fails this); and, when ``grads`` is given, the gradient of the batch loss with respect to
+    the output is the per-example gradients divided by n (mean) or equal to them (sum).
+
+    Raises:
+        UnsupportedOperationError: one of them does not hold (the message says which).
+    """
+    n = output.shape[0]
+    reduce = (lambda v: v.mean()) if reduction == "mean" else (lambda v: v.sum())
+    what = f"{reduction} of the per-example losses"
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        a, b = a.detach().double(), b.detach().double()
+        scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+        return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5 * scale))
+
+    def refuse(detail: str) -> None:
+        raise UnsupportedOperationError(
+            f"The loss mixes examples or is not loss_reduction={reduction!r}: {detail}. DP-SGD "
+            "needs a loss that is the mean (or sum) of one loss per example; declare the "
+            "reduction you use (loss_reduction='mean' or 'sum'), and keep batch statistics, "
+            "weighted means over the batch and losses over pairs of examples out of the loss."
+        )
+
+    if batch_loss.dim() != 0:
+        refuse(f"the loss has shape {tuple(batch_loss.shape)}, not a scalar")
+    if not close(batch_loss, reduce(losses)):
+        refuse(f"the batch loss is {float(batch_loss):.6g}, the {what} {float(reduce(losses)):.6g}")
+    if n >= 2:
+        sub_ext = [t[:-1] if bt else t for t, bt in zip(externals, batched)]
+        with torch.no_grad():
+            sub = program(output[:-1], sub_ext)
+        if not close(sub, reduce(losses[:-1])):
+            refuse(
+                f"without its last example the batch loss is {float(sub):.6g}, the {what} "
+                f"{float(reduce(losses[:-1])):.6g} (does the loss depend on the batch size or on "
+                "other examples' labels?)"
+            )
+    if grads is not None and n >= 1:
+        batch_grad = torch.func.grad(lambda o: program(o, externals))(output)
+        expected = grads / n if reduction == "mean" else grads
+        if not close(batch_grad, expected):
+            refuse("the gradient flowing into the model output is not the per-example gradients" + (" / n" if reduction == "mean" else ""))
+
