@@ -172,7 +172,7 @@ def test_sigma_matches_opacus_at_the_same_target_epsilon():
     assert ours == pytest.approx(theirs, rel=0.02)
 
 
-@pytest.mark.slow
+@pytest.mark.ondemand
 def test_accuracy_matches_opacus_over_three_seeds(tmp_path):
     pytest.importorskip("opacus")
     pytest.importorskip("sklearn")
