@@ -24,6 +24,7 @@ from opake_compile._markers import reject_dp_output
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
+from opake_compile.compiler.passes.memory import split_grouped_weight_grads
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
@@ -285,6 +286,7 @@ class DPStep:
         clip_input = len(layout.trainable) + len(layout.others)
         passes = [lambda gm: insert_clipping(gm, param_names=layout.trainable, clip_input=clip_input)]
         passes += self._rewrites
+        passes.append(split_grouped_weight_grads)  # same values, smaller peak memory
         reports = run_pipeline(traced.gm, passes)
         coverage: dict[str, str] = {}
         for r in reports:
