@@ -60,6 +60,7 @@ __all__ = [
     "FAST_GRAM_OVERCLIP",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
+    "merge_groups",
 ]
 
 
@@ -77,6 +78,10 @@ class Factor:
         cleanup: nodes of the materialised form the rule accounted for (an in-place zeroing
             of the padding row, say) that the rewrite must erase, or the old per-example
             gradient would stay alive.
+        groups: blocks per example (a grouped convolution): ``a`` and ``b`` then hold
+            ``P * groups`` blocks, example-major, block ``(i, j)`` giving rows
+            ``[j R, (j + 1) R)`` of example i's ``(groups * R, C)`` gradient. Norms are per
+            block and added (:func:`merge_groups`); the sum is one product per group.
     """
 
     rule: str
@@ -86,6 +91,7 @@ class Factor:
     onehot: bool = False
     padding_idx: int | None = None
     cleanup: tuple[fx.Node, ...] = ()
+    groups: int = 1
 
     @property
     def k(self) -> int:
@@ -97,9 +103,10 @@ class Factor:
 
 
 def materialized_cost(factors: list[Factor], p: int) -> int:
-    """Flops-like cost of forming and reducing the per-example gradients (P x R x C each)."""
+    """Flops-like cost of forming and reducing the per-example gradients (P x R x C each;
+    ``groups`` blocks of R x C for a grouped convolution)."""
     r, c = factors[0].rows, factors[0].cols
-    return p * r * c * (sum(f.k for f in factors) + 2)
+    return p * factors[0].groups * r * c * (sum(f.k for f in factors) + 2)
 
 
 #: Relative cost of a float64 matrix product to a float32 one (the Gram matrices are float64,
@@ -117,8 +124,27 @@ def ghost_cost(factors: list[Factor], p: int, gram_cost_factor: int = GRAM_COST_
     for f in factors:
         for g in factors:
             left = 1 if (f.onehot or g.onehot) else f.rows
-            total += p * f.k * g.k * (left + f.cols)
+            total += p * f.groups * f.k * g.k * (left + f.cols)
     return gram_cost_factor * total
+
+
+def merge_groups(em: Emitter, sq: fx.Node, mass_sq: fx.Node, groups: int) -> tuple[fx.Node, fx.Node]:
+    """Per-block ``(sq, mass_sq)`` of shape ``(P * groups,)`` (example-major) to per-example
+    ones of shape ``(P,)``: the blocks are disjoint rows of the gradient, so squared norms
+    add, and so do masses (``S_i = sum_j S_ij``).
+
+    Error analysis: each block's ``sq`` is already an upper bound on its exact squared norm
+    and each ``S_ij`` on its mass; the float64 sums of ``groups`` non-negative numbers (and
+    the square root and square of the masses) err by at most ``gamma_{groups+2}`` relatively,
+    which the factor ``1 + 2 gamma`` covers, so the results stay upper bounds."""
+    if groups == 1:
+        return sq, mass_sq
+    p = shape(sq)[0] // groups
+    up = 1.0 + 2.0 * gamma(groups + 2, unit_roundoff(NORM_DTYPE))
+    sq = em(aten.mul.Tensor, em(aten.sum.dim_IntList, em(aten.view.default, sq, [p, groups]), [1]), up)
+    s = em(aten.sum.dim_IntList, em(aten.view.default, em(aten.sqrt.default, mass_sq), [p, groups]), [1])
+    s = em(aten.mul.Tensor, s, up)
+    return sq, em(aten.mul.Tensor, s, s)
 
 
 def _as_dtype(em: Emitter, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -484,7 +510,7 @@ def emit_clipped_sum(
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``all_kept``: a node holding ``kept.all()``, shared by every call in one graph (emitted
     here when not given)."""
-    p = shape(factors[0].b)[0]
+    p = shape(factors[0].b)[0] // factors[0].groups
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
     keep3 = em(aten.view.default, kept, [p, 1, 1])
@@ -493,7 +519,9 @@ def emit_clipped_sum(
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
-        if f.onehot:
+        if f.groups > 1:
+            term = _grouped_sum(em, f, kept, factor, acc)
+        elif f.onehot:
             b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
             weighted = em(aten.mul.Tensor, b, f3)
             flat_ids = em(aten.reshape.default, f.a, [p * k])
@@ -518,3 +546,20 @@ def emit_clipped_sum(
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: torch.dtype) -> fx.Node:
+    """``sum_i f_i G_i`` for a grouped factor (:attr:`Factor.groups`), ``(groups * R, C)``:
+    per group one product over all (example, position) rows, as for an ungrouped term, with
+    the excluded examples selected away from both factors first."""
+    ng, r, k, c = f.groups, f.rows, f.k, f.cols
+    p = shape(f.b)[0] // ng
+    keep4 = em(aten.view.default, kept, [p, 1, 1, 1])
+    f4 = em(aten.view.default, factor, [p, 1, 1, 1])
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    a = em(aten.reshape.default, _as_dtype(em, f.a, acc), [p, ng, r, k])
+    a = em(aten.mul.Tensor, em(aten.where.self, keep4, a, zero), em(aten.where.self, keep4, f4, zero))
+    b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, acc), [p, ng, k, c]), zero)
+    a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])
+    b = em(aten.reshape.default, em(aten.permute.default, b, [1, 0, 2, 3]), [ng, p * k, c])
+    return em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c])

@@ -40,6 +40,7 @@ from opake_compile.compiler.passes._factors import (
     emit_sq_norm_materialized,
     ghost_cost,
     materialized_cost,
+    merge_groups,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
@@ -387,11 +388,12 @@ def _rewrite_parameter(
     # non-private step when the float64 factor was applied there too).
     cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
     ghost = ghost_cost(factors, p, cost_factor)
-    if wanted == "auto" and dense and ghost > materialized_cost(factors, p):
+    direct = materialized_cost(factors, p)
+    if wanted == "auto" and dense and ghost > direct:
         if not mixable:
             # The traced form (e.g. oneDNN's grouped convolution backward) forms the
             # per-example gradient at least as fast as an explicit product would.
-            return "materialized (cheaper than ghost)", None, None
+            return "materialized (cheaper than ghost)", _cost_note(factors, p, ghost, direct), None
         mixed = True
     try:
         if mixed:
@@ -402,6 +404,7 @@ def _rewrite_parameter(
         else:
             new_sq, new_mass = emit_sq_norm(em, factors, grams, gram_dtype)
             label = f"ghost:{rules}"
+        new_sq, new_mass = merge_groups(em, new_sq, new_mass, factors[0].groups)
         summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
     except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
@@ -416,6 +419,18 @@ def _rewrite_parameter(
         for node in f.cleanup:
             em.graph.erase_node(node)
     return label, None, [f.rule for f in factors]
+
+
+def _cost_note(factors: list[Factor], p: int, ghost: int, direct: int) -> str:
+    """Why the cost model kept a parameter materialised, with its numbers (``describe``)."""
+    f = factors[0]
+    k = sum(x.k for x in factors)
+    groups = f" x {f.groups} groups" if f.groups > 1 else ""
+    return (
+        f"Gram form {ghost:.3g} vs forming the per-example gradient {direct:.3g} multiply-adds: "
+        f"P={p}{groups}, R={f.rows}, C={f.cols}, K={k} positions; the Gram form wins only when "
+        f"K (R + C) < R C, i.e. K < {f.rows * f.cols / (f.rows + f.cols):.3g}"
+    )
 
 
 def _gradient_of(sq: fx.Node) -> fx.Node:
