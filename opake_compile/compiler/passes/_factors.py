@@ -61,6 +61,7 @@ __all__ = [
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
     "merge_groups",
+    "merge_parts",
 ]
 
 
@@ -546,6 +547,21 @@ def emit_clipped_sum(
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """Per-example ``(sq, mass_sq)`` of a gradient made of disjoint blocks (pieces of one
+    parameter used separately) from those of its blocks, each shape (P,): squared norms add,
+    masses add. Upper bounds stay upper bounds (same argument as :func:`merge_groups`)."""
+    if len(sqs) == 1:
+        return sqs[0], masses[0]
+    up = 1.0 + 2.0 * gamma(len(sqs) + 2, unit_roundoff(NORM_DTYPE))
+    sq, s = sqs[0], em(aten.sqrt.default, masses[0])
+    for x, m in zip(sqs[1:], masses[1:]):
+        sq = em(aten.add.Tensor, sq, x)
+        s = em(aten.add.Tensor, s, em(aten.sqrt.default, m))
+    s = em(aten.mul.Tensor, s, up)
+    return em(aten.mul.Tensor, sq, up), em(aten.mul.Tensor, s, s)
 
 
 def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: torch.dtype) -> fx.Node:

@@ -23,6 +23,7 @@ report's notes (shown by ``DPStep.describe``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 
@@ -41,6 +42,7 @@ from opake_compile.compiler.passes._factors import (
     ghost_cost,
     materialized_cost,
     merge_groups,
+    merge_parts,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
@@ -139,11 +141,27 @@ def _mutated(g: fx.Node, factors: list[Factor]) -> bool:
     return False
 
 
-def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
-    factors, why = _match_rules(em, g, p, enabled)
-    if factors is not None and _mutated(g, factors):
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """The factors of one parameter's per-example gradient, in blocks: ``G`` is the
+    concatenation of the blocks along ``cat_dim`` of its ``(R, C)`` form (0: rows, 1: columns;
+    ``None``: one block), each block the sum of its factors' products. Blocks come from one
+    parameter sliced into pieces used separately (``nn.MultiheadAttention.in_proj_weight``
+    with distinct query, key and value): their gradients occupy disjoint entries."""
+
+    blocks: list[list[Factor]]
+    cat_dim: int | None = None
+
+    @property
+    def factors(self) -> list[Factor]:
+        return [f for b in self.blocks for f in b]
+
+
+def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[_Match, str] | tuple[None, str]:
+    found, why = _match_rules(em, g, p, enabled)
+    if found is not None and _mutated(g, found.factors):
         return None, "an in-place op the rules do not account for touches its per-example gradient"
-    return factors, why
+    return found, why
 
 
 class _RuleFailed(Exception):
@@ -166,7 +184,7 @@ def _call_rule(name: str, rule: Callable[..., Factor | None], em: Emitter, failu
     return f
 
 
-def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
+def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[_Match, str] | tuple[None, str]:
     failures: list[str] = []
     found, why = _match_rules_inner(em, g, p, enabled, failures)
     if found is None and failures:
@@ -176,21 +194,37 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
 
 def _match_rules_inner(
     em: Emitter, g: fx.Node, p: int, enabled: frozenset[str], failures: list[str]
-) -> tuple[list[Factor], str] | tuple[None, str]:
+) -> tuple[_Match, str] | tuple[None, str]:
     for name, rule in WHOLE_RULES.items():
         if name not in enabled:
             continue
         f = _call_rule(name, rule, em, failures, g, p)
         if f is not None:
-            return [f], "ok"
+            return _Match([[f]]), "ok"
     top = _matrix_form(g)
     if top is None:
         return None, "its per-example gradient has no (P, R, C) matrix form"
+    pieces, cat_dim = _pieces(top)
+    blocks = []
+    for piece, flipped in pieces:
+        factors, why = _match_terms(em, piece, flipped, p, enabled, failures)
+        if factors is None:
+            return None, why
+        blocks.append(factors)
+    return _Match(blocks, cat_dim), "ok"
+
+
+def _match_terms(
+    em: Emitter, top: fx.Node, flipped: bool, p: int, enabled: frozenset[str], failures: list[str]
+) -> tuple[list[Factor], str] | tuple[None, str]:
+    """Factors whose products sum to ``top`` (3-D; transposed when ``flipped``)."""
     _, r, c = shape(top)
+    if flipped:
+        r, c = c, r
     factors = []
-    for term, flipped in _terms(top, False):
+    for term, fl in _terms(top, flipped):
         for name, rule in RULES.items():
-            f = _call_rule(name, rule, em, failures, term, flipped, p) if name in enabled else None
+            f = _call_rule(name, rule, em, failures, term, fl, p) if name in enabled else None
             if f is not None:
                 break
         else:
@@ -199,6 +233,28 @@ def _match_rules_inner(
             return None, "a matched term has the wrong shape"
         factors.append(f)
     return factors, "ok"
+
+
+def _pieces(top: fx.Node) -> tuple[list[tuple[fx.Node, bool]], int | None]:
+    """``top`` as ``[(piece, transposed)]`` and the dim of ``top``'s ``(R, C)`` form they are
+    concatenated along, looking through views and transposes for an ``aten.cat`` of 3-D
+    pieces along dim 1 or 2 (the backward of ``chunk``/``split`` of a parameter); else
+    ``[(top, False)], None``."""
+    node, flipped = top, False
+    while node.op == "call_function":
+        if node.target in _VIEWS and isinstance(node.args[0], fx.Node) and shape(node.args[0]) == shape(node):
+            node = node.args[0]
+        elif _is_swap_last_two(node):
+            node, flipped = node.args[0], not flipped
+        else:
+            break
+    if node.op == "call_function" and node.target is aten.cat.default:
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if all(isinstance(x, fx.Node) and len(shape(x)) == 3 for x in parts) and dim % 3 in (1, 2):
+            cat_dim = dim % 3 - 1
+            return [(x, flipped) for x in parts], (1 - cat_dim if flipped else cat_dim)
+    return [(top, False)], None
 
 
 #: How the book-keeping sums of dense terms are emitted (see :class:`GhostClipping`).
@@ -365,23 +421,79 @@ def _rewrite_parameter(
     """
     g = _gradient_of(sq)
     p = shape(g)[0]
-    factors, why = _match(em, g, p, enabled)
-    if factors is None:
+    found, why = _match(em, g, p, enabled)
+    if found is None:
         if wanted != "auto":
             raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: no rewrite rule matches this parameter ({why}).")
         if len(shape(g)) == 2:
             # Biases and normalisation affine parameters: the per-example gradient is a
             # (P, d) vector, as small as the activations it comes from. Nothing to gain.
             return "direct (per-example vector)", None, None
+        if _elementwise_reduction(g):
+            # LayerNorm / RMSNorm affine weights over several dims: the per-example gradient is
+            # a sum over positions of an elementwise product, no larger than the activation
+            # it is read from and formed in one pass over it. Nothing to gain either.
+            return DIRECT_ELEMENTWISE, None, None
         return None, why, None
+    factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
-    dense = not any(f.onehot for f in factors)
-    if wanted == "mixed" and not dense:
+    if wanted == "mixed" and any(f.onehot for f in factors):
         raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
-    mixed = wanted == "mixed"
+    plans = []
+    for block in found.blocks:
+        plan = _plan(block, p, wanted, sum_acc)
+        if plan[0] == "materialized":
+            return "materialized (cheaper than ghost)", plan[1], None
+        plans.append(plan)
+    try:
+        sqs, masses, sums = [], [], []
+        for block, (mode, gram_dtype) in zip(found.blocks, plans):
+            if mode == "mixed":
+                # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming
+                # the per-example gradient, so form it for the norm only; the sum stays
+                # book-keeping.
+                b_sq, b_mass = emit_sq_norm_materialized(em, block, sum_acc)
+            else:
+                b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
+            b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
+            sqs.append(b_sq)
+            masses.append(b_mass)
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, sum_acc, bookkeeping, all_kept))
+        new_sq, new_mass = merge_parts(em, sqs, masses)
+        summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
+        summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
+    except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
+        raise _RuleFailed(f"emitting the {rules} rewrite failed ({type(err).__name__}: {err})") from err
+    modes = {mode for mode, _ in plans}
+    if modes == {"mixed"}:
+        label = f"bk:{rules} (norm materialized)"
+    elif modes == {"ghost"}:
+        label = f"ghost:{rules}"
+    else:
+        n = sum(mode == "mixed" for mode, _ in plans)
+        label = f"ghost:{rules} (norm materialized in {n} of {len(plans)} blocks)"
+    # Everything is emitted: only now redirect the uses (nothing above changed the graph's
+    # existing nodes, so a failure before this point is undone by erasing the new nodes).
+    summed.meta["opake_role"] = ("clipped_sum", name)
+    sq.replace_all_uses_with(new_sq)
+    mass.replace_all_uses_with(new_mass)
+    old_sum.replace_all_uses_with(summed)
+    for f in factors:
+        for node in f.cleanup:
+            em.graph.erase_node(node)
+    return label, None, [f.rule for f in factors]
+
+
+def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype) -> tuple[str, object]:
+    """How one block's norm is formed: ``("ghost", gram dtype)``, ``("mixed", None)``, or
+    ``("materialized", why)`` when forming the per-example gradient in the traced graph is
+    cheaper and no mixed form exists (conv)."""
+    dense = not any(f.onehot for f in factors)
     mixable = all(f.rule in _MIXED_RULES for f in factors)
     # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
     gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
+    if wanted == "mixed":
+        return "mixed", None
     # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
     # keeping the traced per-example gradient (conv), only flops: materialising costs memory
     # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
@@ -393,32 +505,67 @@ def _rewrite_parameter(
         if not mixable:
             # The traced form (e.g. oneDNN's grouped convolution backward) forms the
             # per-example gradient at least as fast as an explicit product would.
-            return "materialized (cheaper than ghost)", _cost_note(factors, p, ghost, direct), None
-        mixed = True
-    try:
-        if mixed:
-            # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming the
-            # per-example gradient, so form it for the norm only; the sum stays book-keeping.
-            new_sq, new_mass = emit_sq_norm_materialized(em, factors, sum_acc)
-            label = f"bk:{rules} (norm materialized)"
-        else:
-            new_sq, new_mass = emit_sq_norm(em, factors, grams, gram_dtype)
-            label = f"ghost:{rules}"
-        new_sq, new_mass = merge_groups(em, new_sq, new_mass, factors[0].groups)
-        summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
-        summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
-    except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
-        raise _RuleFailed(f"emitting the {rules} rewrite failed ({type(err).__name__}: {err})") from err
-    # Everything is emitted: only now redirect the uses (nothing above changed the graph's
-    # existing nodes, so a failure before this point is undone by erasing the new nodes).
-    summed.meta["opake_role"] = ("clipped_sum", name)
-    sq.replace_all_uses_with(new_sq)
-    mass.replace_all_uses_with(new_mass)
-    old_sum.replace_all_uses_with(summed)
-    for f in factors:
-        for node in f.cleanup:
-            em.graph.erase_node(node)
-    return label, None, [f.rule for f in factors]
+            return "materialized", _cost_note(factors, p, ghost, direct)
+        return "mixed", None
+    return "ghost", gram_dtype
+
+
+#: Coverage label of a per-example gradient formed by elementwise ops and reductions over
+#: positions (:func:`_elementwise_reduction`).
+DIRECT_ELEMENTWISE = "direct (per-example elementwise)"
+
+_SHAPE_OPS = _VIEWS + (aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten._to_copy.default)
+
+
+def _elementwise_reduction(g: fx.Node) -> bool:
+    """Whether ``G`` (``(P, *param.shape)``) is, up to reshapes, a sum over non-batch dims of
+    pointwise ops whose operands all have (up to broadcasting) the size of an activation the
+    graph computes anyway: no outer product (an ``expand`` or a broadcast of two smaller
+    operands) on the way. Such a gradient (LayerNorm over several dims: ``sum_t xhat_t * g_t``)
+    costs one pass over that activation to form; there is no cheaper form to rewrite it to."""
+    node = _through(g)
+    if node.op == "call_function" and node.target is aten.sum.dim_IntList:
+        nd = len(shape(node.args[0]))
+        dims = node.args[1] if len(node.args) > 1 else None
+        if not dims or any(d % nd == 0 for d in dims):
+            return False
+        node = node.args[0]
+    return _pointwise(node) and _dense(node, 16)
+
+
+def _through(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and node.target in _SHAPE_OPS and isinstance(node.args[0], fx.Node):
+        if math.prod(shape(node.args[0])) != math.prod(shape(node)):
+            break
+        node = node.args[0]
+    return node
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in node.target.tags
+    )
+
+
+def _dense(node: fx.Node, depth: int) -> bool:
+    """Whether ``node`` holds an activation-sized tensor that is not a broadcast: a pointwise
+    op with a dense operand of its own size, or any other producer (a convolution, a matrix
+    product, a placeholder). ``expand`` and pointwise ops of smaller operands only are not."""
+    node = _through(node)
+    if node.op == "call_function" and node.target is aten.expand.default:
+        return False
+    if not _pointwise(node):
+        return True
+    if depth == 0:
+        return False
+    n = math.prod(shape(node))
+    return any(
+        math.prod(shape(x)) == n and _dense(x, depth - 1)
+        for x in node.all_input_nodes
+        if isinstance(x.meta.get("val"), torch.Tensor)
+    )
 
 
 def _cost_note(factors: list[Factor], p: int, ghost: int, direct: int) -> str:
