@@ -46,7 +46,7 @@ from opake_compile.compiler.passes._factors import (
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
-from opake_compile.compiler.passes.ghost_embedding import match_embedding
+from opake_compile.compiler.passes.ghost_embedding import match_embedding, match_embedding_bag
 from opake_compile.compiler.passes.ghost_matmul import match_matmul
 from opake_compile.exceptions import ConfigurationError
 
@@ -61,6 +61,7 @@ WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
 RULES: dict[str, Rule] = {
     "linear": match_matmul,
     "embedding": match_embedding,
+    "embedding_bag": match_embedding_bag,
 }
 
 #: Whole-gradient rules: (emitter, G node of shape (P, *param.shape), P) -> Factor whose (R, C)
