@@ -105,22 +105,23 @@ _SUM, _MEAN = 0, 1
 
 
 def match_embedding_bag(em: Emitter, node: fx.Node, flipped: bool, p: int) -> Factor | None:
-    """A one-hot :class:`Factor` for a vmapped ``nn.EmbeddingBag`` gradient (one bag per
-    example, ``mode="sum"`` or ``"mean"``), or ``None``.
+    """A one-hot :class:`Factor` for a vmapped ``nn.EmbeddingBag`` gradient (bags of equal
+    length, ``mode="sum"`` or ``"mean"``), or ``None``.
 
     ``_embedding_bag_backward`` has no batching rule, so vmap unrolls it: ``G`` is a ``stack``
-    of P calls, call i reading row i (``select(X, 0, i)``) of batched tensors X. With one bag
-    per example (a 2-D input: ``offsets = arange(0, T, T)``) example i's gradient scatters
-    ``w_t g_i`` to row ``ids_t`` for every position t, where ``g_i`` is the bag's output
-    gradient and ``w_t`` is 1 (sum), the per-sample weight (sum with ``per_sample_weights``)
-    or ``1 / bag_size`` (mean): a one-hot factor with ``b_t = w_t g_i``.
+    of P calls, call i reading row i (``select(X, 0, i)``) of batched tensors X. With bags of
+    equal length (a 2-D input per example: ``offsets = arange(0, T, T / bags)``) example i's
+    gradient scatters ``w_t g_ij`` to row ``ids_t`` for every position t of bag j, where
+    ``g_ij`` is bag j's output gradient and ``w_t`` is 1 (sum), the per-sample weight (sum
+    with ``per_sample_weights``) or ``1 / bag_size_j`` (mean): a one-hot factor with
+    ``b_t = w_t g_ij``.
 
         pattern:     stack([_embedding_bag_backward(select(g, 0, i), select(ids, 0, i), offsets,
                             _, select(bag_size, 0, i), _, V, False, mode, False,
                             select(weights, 0, i) or None, padding_idx) for i in range(P)])
         replacement: Factor(a=ids (P, T) one-hot over V rows, b=w * g (P, T, d))
-        guard:       one bag per example (offsets one ``arange`` starting at 0), mode sum or
-                     mean, no ``scale_grad_by_freq``, not sparse
+        guard:       bags of equal length (offsets one ``arange`` from 0), mode sum or mean,
+                     no ``scale_grad_by_freq``, not sparse
 
     ``mode="max"`` (one id per feature column) stays materialised.
     """
@@ -148,23 +149,24 @@ def match_embedding_bag(em: Emitter, node: fx.Node, flipped: bool, p: int) -> Fa
     if by_freq or sparse or mode not in (_SUM, _MEAN) or (weights is not None and mode != _SUM):
         return None
     gs, ids_shape = shape(grad), shape(ids)
-    if len(ids_shape) != 2 or len(gs) != 3 or gs[:2] != (p, 1) or shape(node) != (p, v, gs[2]):
+    if len(ids_shape) != 2 or len(gs) != 3 or gs[0] != p or shape(node) != (p, v, gs[2]):
         return None
-    k, d = ids_shape[1], gs[2]
-    if not _single_bag(offsets, k):
+    k, bags, d = ids_shape[1], gs[1], gs[2]
+    if not _equal_bags(offsets, k, bags):
         return None
-    b = em(aten.expand.default, grad, [p, k, d])
+    # Position t of bag j = t // (k / bags) receives that bag's output gradient.
+    per_bag = k // bags
+    b = em(aten.expand.default, em(aten.unsqueeze.default, grad, 2), [p, bags, per_bag, d])
     if weights is not None:
         if shape(weights) != (p, k):
             return None
-        b = em(aten.mul.Tensor, b, em(aten.unsqueeze.default, weights, 2))
+        b = em(aten.mul.Tensor, b, em(aten.reshape.default, weights, [p, bags, per_bag, 1]))
     elif mode == _MEAN:
-        if math.prod(shape(bag_size)) != p:
+        if math.prod(shape(bag_size)) != p * bags:
             return None
-        count = em(aten.clamp_min.default, em(aten.reshape.default, bag_size, [p, 1, 1]), 1)
+        count = em(aten.clamp_min.default, em(aten.reshape.default, bag_size, [p, bags, 1, 1]), 1)
         b = em(aten.div.Tensor, b, count)
-    else:
-        b = em(aten.clone.default, b)  # a dense (P, T, d): the Gram and sum read it as one
+    b = em(aten.reshape.default, b, [p, k, d])  # a dense (P, T, d) copy: the Gram and sum read it
     padding_idx = None if pad is None or pad < 0 else int(pad)
     return Factor(rule=BAG_RULE, a=ids, b=b, rows=v, onehot=True, padding_idx=padding_idx)
 
@@ -180,13 +182,13 @@ def _row_of(node: object, i: int) -> fx.Node | None:
     return None
 
 
-def _single_bag(offsets: object, k: int) -> bool:
-    """Whether ``offsets`` is ``arange(0, k, k)`` (through views): the single offset 0, so
-    every position belongs to the example's one bag."""
+def _equal_bags(offsets: object, k: int, bags: int) -> bool:
+    """Whether ``offsets`` is ``arange(0, k, k / bags)`` (through views): ``bags`` bags of
+    equal length covering the example's k ids in order (the offsets of a 2-D input)."""
     node = offsets
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
     if not (isinstance(node, fx.Node) and node.target is aten.arange.start_step):
         return False
     start, end, step = node.args[:3]
-    return start == 0 and shape(node) == (1,) and end <= step
+    return start == 0 and shape(node) == (bags,) and bags * step == k and end <= k

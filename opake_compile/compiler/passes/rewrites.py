@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping
 
 import torch
@@ -52,7 +53,17 @@ from opake_compile.exceptions import ConfigurationError
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "WHOLE_RULES", "BOOKKEEPING_MODES", "FORCEABLE_PATHS", "GhostClipping", "ghost_clipping", "REWRITE_PASSES"]
+__all__ = [
+    "RULES",
+    "WHOLE_RULES",
+    "BOOKKEEPING_MODES",
+    "FORCEABLE_PATHS",
+    "GhostClipping",
+    "ghost_clipping",
+    "REWRITE_PASSES",
+    "is_fast_path",
+    "fast_path_share",
+]
 
 Rule = Callable[[Emitter, fx.Node, bool, int], "Factor | None"]
 WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
@@ -519,27 +530,31 @@ _SHAPE_OPS = _VIEWS + (aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.defau
 
 
 def _elementwise_reduction(g: fx.Node) -> bool:
-    """Whether ``G`` (``(P, *param.shape)``) is, up to reshapes, a sum over non-batch dims of
-    pointwise ops whose operands all have (up to broadcasting) the size of an activation the
-    graph computes anyway: no outer product (an ``expand`` or a broadcast of two smaller
-    operands) on the way. Such a gradient (LayerNorm over several dims: ``sum_t xhat_t * g_t``)
-    costs one pass over that activation to form; there is no cheaper form to rewrite it to."""
-    node = _through(g)
+    """Whether ``G`` (``(P, *param.shape)``) is, up to reshapes and a sum over non-batch dims,
+    a tensor the graph needs anyway (an output gradient: a bias over several dims) or
+    pointwise ops on such tensors of the same size (LayerNorm over several dims:
+    ``sum_t xhat_t * g_t``), with no outer product on the way (an ``expand``, or a broadcast
+    of smaller operands only). Such a gradient costs one pass over an activation-sized
+    tensor to form; there is no cheaper form to rewrite it to."""
+    node, _ = _through(g)
     if node.op == "call_function" and node.target is aten.sum.dim_IntList:
         nd = len(shape(node.args[0]))
         dims = node.args[1] if len(node.args) > 1 else None
         if not dims or any(d % nd == 0 for d in dims):
             return False
-        node = node.args[0]
-    return _pointwise(node) and _dense(node, 16)
+        return _dense(node.args[0], 16, g)
+    return _dense(g, 16, g)
 
 
-def _through(node: fx.Node) -> fx.Node:
+def _through(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The producer behind a chain of size-preserving reshapes, and the chain."""
+    chain = [node]
     while node.op == "call_function" and node.target in _SHAPE_OPS and isinstance(node.args[0], fx.Node):
         if math.prod(shape(node.args[0])) != math.prod(shape(node)):
             break
         node = node.args[0]
-    return node
+        chain.append(node)
+    return node, chain
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -550,23 +565,40 @@ def _pointwise(node: fx.Node) -> bool:
     )
 
 
-def _dense(node: fx.Node, depth: int) -> bool:
+def _dense(node: fx.Node, depth: int, g: fx.Node | None = None) -> bool:
     """Whether ``node`` holds an activation-sized tensor that is not a broadcast: a pointwise
-    op with a dense operand of its own size, or any other producer (a convolution, a matrix
-    product, a placeholder). ``expand`` and pointwise ops of smaller operands only are not."""
-    node = _through(node)
-    if node.op == "call_function" and node.target is aten.expand.default:
-        return False
-    if not _pointwise(node):
+    op with a dense operand of its own size, or a tensor some other part of the graph reads
+    too (an input, an output gradient). ``expand``, pointwise ops of smaller operands only,
+    and products formed only for this gradient (whose only other readers are ``G``'s own
+    norm and sum) are not."""
+    node, chain = _through(node)
+    if any(len(x.users) > 1 for x in chain if x is not g):
+        return True  # the graph reads it elsewhere too: it exists anyway
+    if node.op == "placeholder":
         return True
-    if depth == 0:
+    if node.op != "call_function" or node.target is aten.expand.default:
         return False
-    n = math.prod(shape(node))
-    return any(
-        math.prod(shape(x)) == n and _dense(x, depth - 1)
-        for x in node.all_input_nodes
-        if isinstance(x.meta.get("val"), torch.Tensor)
-    )
+    if _pointwise(node):
+        if depth == 0:
+            return False
+        n = math.prod(shape(node))
+        return any(
+            math.prod(shape(x)) == n and _dense(x, depth - 1)
+            for x in node.all_input_nodes
+            if isinstance(x.meta.get("val"), torch.Tensor)
+        )
+    # Another producer: an activation (a normalisation's output, say) unless it is a
+    # contraction read by nothing else, i.e. formed for this gradient only.
+    target = node.args[0].target if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node.target
+    return target not in _CONTRACTIONS
+
+
+#: Ops that form per-example weight gradients (outer products summed over positions).
+_CONTRACTIONS = frozenset({
+    aten.bmm.default, aten.mm.default, aten.baddbmm.default, aten.addmm.default,
+    aten.convolution_backward.default, aten.embedding_dense_backward.default,
+    aten._embedding_bag_backward.default, aten.stack.default, aten.cat.default,
+})
 
 
 def _cost_note(factors: list[Factor], p: int, ghost: int, direct: int) -> str:
@@ -590,3 +622,32 @@ def _gradient_of(sq: fx.Node) -> fx.Node:
 
 
 REWRITE_PASSES = [ghost_clipping]
+
+
+def is_fast_path(label: str) -> bool:
+    """Whether a coverage label names a path on which no per-example copy of the parameter is
+    formed beyond the size of an activation: ghost norms, book-keeping sums (``ghost:``,
+    ``bk:``) and per-example vectors or elementwise reductions (``direct``). Every
+    ``materialized`` label is the slow path (``describe()`` says why it was kept)."""
+    return not label.startswith("materialized")
+
+
+def fast_path_share(coverage: Mapping[str, str], sizes: Mapping[str, int]) -> float:
+    """The share of trainable elements on a fast path (:func:`is_fast_path`).
+
+    Args:
+        coverage: parameter name -> coverage label (``DPStep.coverage``).
+        sizes: parameter name -> number of elements (``{k: p.numel() for k, p in
+            model.named_parameters()}``).
+
+    Returns:
+        A float in [0, 1] (1.0 for no parameters).
+
+    Example::
+
+        step(x, y)
+        share = fast_path_share(step.coverage, {k: p.numel() for k, p in model.named_parameters()})
+    """
+    total = sum(int(sizes[k]) for k in coverage)
+    fast = sum(int(sizes[k]) for k, label in coverage.items() if is_fast_path(label))
+    return 1.0 if total == 0 else fast / total
