@@ -587,10 +587,12 @@ def _dense(node: fx.Node, depth: int, g: fx.Node | None = None) -> bool:
             for x in node.all_input_nodes
             if isinstance(x.meta.get("val"), torch.Tensor)
         )
-    # Another producer: an activation (a normalisation's output, say) unless it is a
-    # contraction read by nothing else, i.e. formed for this gradient only.
-    target = node.args[0].target if node.target is operator.getitem and isinstance(node.args[0], fx.Node) else node.target
-    return target not in _CONTRACTIONS
+    # Another producer read by nothing else: only an output of a multi-output op that is
+    # no contraction (a normalisation's output, say) counts as an activation; anything
+    # else (a contraction, a view the walk does not know) is formed for this gradient.
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0].target not in _CONTRACTIONS
+    return False
 
 
 #: Ops that form per-example weight gradients (outer products summed over positions).
