@@ -79,9 +79,12 @@ def _check_oracle(step, model, args, *, c: float = 0.3, loss=_tanh_sum):
 
 
 def _note(step, name: str) -> str:
-    for line in step.describe().splitlines():
+    """The describe() line of ``name`` with the indented reason line that may follow it."""
+    lines = step.describe().splitlines()
+    for i, line in enumerate(lines):
         if line.split() and line.split()[0] == name:
-            return line
+            nxt = lines[i + 1] if i + 1 < len(lines) else ""
+            return line + ("\n" + nxt if nxt.startswith(" " * 6) else "")
     raise AssertionError(f"{name} not in describe()")
 
 

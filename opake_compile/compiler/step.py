@@ -211,8 +211,10 @@ class DPStep:
             width = max(len(k) for k in c.coverage)
             notes = {k: v for r in c.reports for k, v in r.notes.items()}
             for name, path in c.coverage.items():
-                why = f" ({notes[name]})" if name in notes and path.startswith("materialized") else ""
+                why = f" ({notes[name]})" if name in notes and path == "materialized" else ""
                 lines.append(f"    {name:<{width}}  {path}{why}")
+                if name in notes and path != "materialized" and path.startswith("materialized"):
+                    lines.append(f"    {'':<{width}}    {notes[name]}")  # the cost model's numbers
             for r in c.reports:
                 matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"
                 lines.append(f"    pass {r.name}: {matched}")
