@@ -155,6 +155,20 @@ def test_conv_rule_adversarial_removal_ratio(kind, log_m, log_x, log_c, seed):
     assert _removal_ratio(_adversarial_conv_step(kind, c), ((10.0**log_x) * x, s), c) <= 1.0
 
 
+def test_grouped_conv_non_finite_example_contributes_exactly_zero():
+    # The per-group sum selects excluded examples away from both factors: an example with a
+    # NaN input leaves the sum of removing it (same step, no retrace; up to the order of sums).
+    step = _adversarial_conv_step("grouped", 1.0)
+    g = torch.Generator().manual_seed(3)
+    x, s = torch.randn(4, 4, 6, 6, generator=g), torch.randn(4, 4, 1, 1, generator=g)
+    bad = x.clone()
+    bad[1, 0, 2, 2] = float("nan")
+    got = step(bad, s).clipped.grads["weight"]
+    want = step(torch.cat([x[:1], x[2:]]), torch.cat([s[:1], s[2:]])).clipped.grads["weight"]
+    assert torch.isfinite(got).all() and float(want.abs().max()) > 0
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- norms over several dims
 class MultiDimNorms(nn.Module):
     def __init__(self) -> None:
