@@ -387,9 +387,11 @@ def test_conv1d(length, expected):
     _compare(model, _tanh_sum, (_randn(6, 8, length),), c=0.5, expected={"weight": expected, "bias": DIRECT})
 
 
-def test_grouped_conv_stays_materialized():
+def test_grouped_conv_is_matched_and_kept_materialized_by_the_cost_model():
+    # L = 16 positions per group of R = 2 rows, C = 18 columns: L (R + C) > R C.
+    # (The grouped rule itself: tests/test_compiler_fastpath.py.)
     model = _build(lambda: nn.Conv2d(4, 4, 3, groups=2))
-    _compare(model, _tanh_sum, (_randn(6, 4, 6, 6),), c=0.5, expected={"weight": MAT, "bias": DIRECT})
+    _compare(model, _tanh_sum, (_randn(6, 4, 6, 6),), c=0.5, expected={"weight": CONV_BK, "bias": DIRECT})
 
 
 def test_describe_says_why_a_parameter_stayed_materialized():

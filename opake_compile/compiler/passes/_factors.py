@@ -61,6 +61,8 @@ __all__ = [
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
+    "merge_groups",
+    "merge_parts",
 ]
 
 
@@ -78,6 +80,10 @@ class Factor:
         cleanup: nodes of the materialised form the rule accounted for (an in-place zeroing
             of the padding row, say) that the rewrite must erase, or the old per-example
             gradient would stay alive.
+        groups: blocks per example (a grouped convolution): ``a`` and ``b`` then hold
+            ``P * groups`` blocks, example-major, block ``(i, j)`` giving rows
+            ``[j R, (j + 1) R)`` of example i's ``(groups * R, C)`` gradient. Norms are per
+            block and added (:func:`merge_groups`); the sum is one product per group.
     """
 
     rule: str
@@ -87,6 +93,7 @@ class Factor:
     onehot: bool = False
     padding_idx: int | None = None
     cleanup: tuple[fx.Node, ...] = ()
+    groups: int = 1
 
     @property
     def k(self) -> int:
@@ -98,9 +105,10 @@ class Factor:
 
 
 def materialized_cost(factors: list[Factor], p: int) -> int:
-    """Flops-like cost of forming and reducing the per-example gradients (P x R x C each)."""
+    """Flops-like cost of forming and reducing the per-example gradients (P x R x C each;
+    ``groups`` blocks of R x C for a grouped convolution)."""
     r, c = factors[0].rows, factors[0].cols
-    return p * r * c * (sum(f.k for f in factors) + 2)
+    return p * factors[0].groups * r * c * (sum(f.k for f in factors) + 2)
 
 
 #: Relative cost of a float64 matrix product to a float32 one (the Gram matrices are float64,
@@ -118,8 +126,27 @@ def ghost_cost(factors: list[Factor], p: int, gram_cost_factor: int = GRAM_COST_
     for f in factors:
         for g in factors:
             left = 1 if (f.onehot or g.onehot) else f.rows
-            total += p * f.k * g.k * (left + f.cols)
+            total += p * f.groups * f.k * g.k * (left + f.cols)
     return gram_cost_factor * total
+
+
+def merge_groups(em: Emitter, sq: fx.Node, mass_sq: fx.Node, groups: int) -> tuple[fx.Node, fx.Node]:
+    """Per-block ``(sq, mass_sq)`` of shape ``(P * groups,)`` (example-major) to per-example
+    ones of shape ``(P,)``: the blocks are disjoint rows of the gradient, so squared norms
+    add, and so do masses (``S_i = sum_j S_ij``).
+
+    Error analysis: each block's ``sq`` is already an upper bound on its exact squared norm
+    and each ``S_ij`` on its mass; the float64 sums of ``groups`` non-negative numbers (and
+    the square root and square of the masses) err by at most ``gamma_{groups+2}`` relatively,
+    which the factor ``1 + 2 gamma`` covers, so the results stay upper bounds."""
+    if groups == 1:
+        return sq, mass_sq
+    p = shape(sq)[0] // groups
+    up = 1.0 + 2.0 * gamma(groups + 2, unit_roundoff(NORM_DTYPE))
+    sq = em(aten.mul.Tensor, em(aten.sum.dim_IntList, em(aten.view.default, sq, [p, groups]), [1]), up)
+    s = em(aten.sum.dim_IntList, em(aten.view.default, em(aten.sqrt.default, mass_sq), [p, groups]), [1])
+    s = em(aten.mul.Tensor, s, up)
+    return sq, em(aten.mul.Tensor, s, s)
 
 
 def _as_dtype(em: Emitter, node: fx.Node, dtype: torch.dtype) -> fx.Node:
@@ -503,7 +530,7 @@ def emit_clipped_sum(
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``all_kept``: a node holding ``kept.all()``, shared by every call in one graph (emitted
     here when not given)."""
-    p = shape(factors[0].b)[0]
+    p = shape(factors[0].b)[0] // factors[0].groups
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
     keep3 = em(aten.view.default, kept, [p, 1, 1])
@@ -512,7 +539,9 @@ def emit_clipped_sum(
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
-        if f.onehot:
+        if f.groups > 1:
+            term = _grouped_sum(em, f, kept, factor, acc)
+        elif f.onehot:
             b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
             weighted = em(aten.mul.Tensor, b, f3)
             flat_ids = em(aten.reshape.default, f.a, [p * k])
@@ -537,3 +566,35 @@ def emit_clipped_sum(
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
+    """Per-example ``(sq, mass_sq)`` of a gradient made of disjoint blocks (pieces of one
+    parameter used separately) from those of its blocks, each shape (P,): squared norms add,
+    masses add. Upper bounds stay upper bounds (same argument as :func:`merge_groups`)."""
+    if len(sqs) == 1:
+        return sqs[0], masses[0]
+    up = 1.0 + 2.0 * gamma(len(sqs) + 2, unit_roundoff(NORM_DTYPE))
+    sq, s = sqs[0], em(aten.sqrt.default, masses[0])
+    for x, m in zip(sqs[1:], masses[1:]):
+        sq = em(aten.add.Tensor, sq, x)
+        s = em(aten.add.Tensor, s, em(aten.sqrt.default, m))
+    s = em(aten.mul.Tensor, s, up)
+    return em(aten.mul.Tensor, sq, up), em(aten.mul.Tensor, s, s)
+
+
+def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: torch.dtype) -> fx.Node:
+    """``sum_i f_i G_i`` for a grouped factor (:attr:`Factor.groups`), ``(groups * R, C)``:
+    per group one product over all (example, position) rows, as for an ungrouped term, with
+    the excluded examples selected away from both factors first."""
+    ng, r, k, c = f.groups, f.rows, f.k, f.cols
+    p = shape(f.b)[0] // ng
+    keep4 = em(aten.view.default, kept, [p, 1, 1, 1])
+    f4 = em(aten.view.default, factor, [p, 1, 1, 1])
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    a = em(aten.reshape.default, _as_dtype(em, f.a, acc), [p, ng, r, k])
+    a = em(aten.mul.Tensor, em(aten.where.self, keep4, a, zero), em(aten.where.self, keep4, f4, zero))
+    b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, acc), [p, ng, k, c]), zero)
+    a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])
+    b = em(aten.reshape.default, em(aten.permute.default, b, [1, 0, 2, 3]), [ng, p * k, c])
+    return em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c])

@@ -32,7 +32,7 @@ from opake_compile.compiler.passes._factors import Factor
 
 aten = torch.ops.aten
 
-__all__ = ["match_embedding"]
+__all__ = ["match_embedding", "match_embedding_bag"]
 
 RULE = "embedding"
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -97,3 +97,98 @@ def _padding_row_zeroing(table: fx.Node) -> tuple[int, tuple[fx.Node, ...]] | No
         if isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
             return False
     return found
+
+
+# ----------------------------------------------------------------------------- EmbeddingBag
+#: ``mode`` of ``_embedding_bag_backward``.
+_SUM, _MEAN = 0, 1
+
+
+def match_embedding_bag(em: Emitter, node: fx.Node, flipped: bool, p: int) -> Factor | None:
+    """A one-hot :class:`Factor` for a vmapped ``nn.EmbeddingBag`` gradient (bags of equal
+    length, ``mode="sum"`` or ``"mean"``), or ``None``.
+
+    ``_embedding_bag_backward`` has no batching rule, so vmap unrolls it: ``G`` is a ``stack``
+    of P calls, call i reading row i (``select(X, 0, i)``) of batched tensors X. With bags of
+    equal length (a 2-D input per example: ``offsets = arange(0, T, T / bags)``) example i's
+    gradient scatters ``w_t g_ij`` to row ``ids_t`` for every position t of bag j, where
+    ``g_ij`` is bag j's output gradient and ``w_t`` is 1 (sum), the per-sample weight (sum
+    with ``per_sample_weights``) or ``1 / bag_size_j`` (mean): a one-hot factor with
+    ``b_t = w_t g_ij``.
+
+        pattern:     stack([_embedding_bag_backward(select(g, 0, i), select(ids, 0, i), offsets,
+                            _, select(bag_size, 0, i), _, V, False, mode, False,
+                            select(weights, 0, i) or None, padding_idx) for i in range(P)])
+        replacement: Factor(a=ids (P, T) one-hot over V rows, b=w * g (P, T, d))
+        guard:       bags of equal length (offsets one ``arange`` from 0), mode sum or mean,
+                     no ``scale_grad_by_freq``, not sparse
+
+    ``mode="max"`` (one id per feature column) stays materialised.
+    """
+    if flipped or node.op != "call_function" or node.target is not aten.stack.default:
+        return None
+    calls = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if dim != 0 or len(calls) != p:
+        return None
+    first = None
+    for i, call in enumerate(calls):
+        if not (isinstance(call, fx.Node) and call.target is aten._embedding_bag_backward.default):
+            return None
+        args = list(call.args) + [-1] * (12 - len(call.args))
+        grad, ids, offsets, _o2b, bag_size, _maxi, v, by_freq, mode, sparse, weights, pad = args
+        rows = [_row_of(x, i) for x in (grad, ids, bag_size)] + [None if weights is None else _row_of(weights, i)]
+        if any(r is None for r in rows[:3]) or (weights is not None and rows[3] is None):
+            return None
+        key = (tuple(rows), offsets, v, by_freq, mode, sparse, pad)
+        if first is None:
+            first = key
+        elif key != first:
+            return None
+    (grad, ids, bag_size, weights), offsets, v, by_freq, mode, sparse, pad = first
+    if by_freq or sparse or mode not in (_SUM, _MEAN) or (weights is not None and mode != _SUM):
+        return None
+    gs, ids_shape = shape(grad), shape(ids)
+    if len(ids_shape) != 2 or len(gs) != 3 or gs[0] != p or shape(node) != (p, v, gs[2]):
+        return None
+    k, bags, d = ids_shape[1], gs[1], gs[2]
+    if not _equal_bags(offsets, k, bags):
+        return None
+    # Position t of bag j = t // (k / bags) receives that bag's output gradient.
+    per_bag = k // bags
+    b = em(aten.expand.default, em(aten.unsqueeze.default, grad, 2), [p, bags, per_bag, d])
+    if weights is not None:
+        if shape(weights) != (p, k):
+            return None
+        b = em(aten.mul.Tensor, b, em(aten.reshape.default, weights, [p, bags, per_bag, 1]))
+    elif mode == _MEAN:
+        if math.prod(shape(bag_size)) != p * bags:
+            return None
+        count = em(aten.clamp_min.default, em(aten.reshape.default, bag_size, [p, bags, 1, 1]), 1)
+        b = em(aten.div.Tensor, b, count)
+    b = em(aten.reshape.default, b, [p, k, d])  # a dense (P, T, d) copy: the Gram and sum read it
+    padding_idx = None if pad is None or pad < 0 else int(pad)
+    return Factor(rule=BAG_RULE, a=ids, b=b, rows=v, onehot=True, padding_idx=padding_idx)
+
+
+BAG_RULE = "embedding_bag"
+
+
+def _row_of(node: object, i: int) -> fx.Node | None:
+    """``X`` if ``node`` is ``select(X, 0, i)``, else ``None``."""
+    if isinstance(node, fx.Node) and node.target is aten.select.int and node.args[1] == 0 and node.args[2] == i:
+        src = node.args[0]
+        return src if isinstance(src, fx.Node) else None
+    return None
+
+
+def _equal_bags(offsets: object, k: int, bags: int) -> bool:
+    """Whether ``offsets`` is ``arange(0, k, k / bags)`` (through views): ``bags`` bags of
+    equal length covering the example's k ids in order (the offsets of a 2-D input)."""
+    node = offsets
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    if not (isinstance(node, fx.Node) and node.target is aten.arange.start_step):
+        return False
+    start, end, step = node.args[:3]
+    return start == 0 and shape(node) == (bags,) and bags * step == k and end <= k

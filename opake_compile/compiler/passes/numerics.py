@@ -42,6 +42,12 @@ things are needed:
      that underflow. Relative to an ordinary norm (``S ~ sqrt(K) ||G||``) that is ~K^1.5 u:
      7e-4 at K = 512.
 
+   - gradients made of disjoint blocks (the groups of a grouped convolution; the pieces of a
+     parameter used separately, such as ``in_proj_weight`` with distinct q, k, v): each
+     block's bound and mass as above, added in float64 and multiplied by ``1 + 2 gamma`` for
+     that addition (``_factors.merge_groups``, ``merge_parts``); the sum is one product per
+     block, concatenated exactly.
+
 2. *A clip factor that never rounds up.* ``f_i = min(1, C_eff / max(nu_i, S_i / KAPPA))``
    is computed in float64 and rounded *down* to the sum dtype (:func:`emit_round_down`), so the
    exact contribution ``f_i G_i`` has norm at most ``C_eff <= C``.

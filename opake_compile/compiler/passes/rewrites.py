@@ -23,7 +23,9 @@ report's notes (shown by ``DPStep.describe``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping
 
 import torch
@@ -40,17 +42,29 @@ from opake_compile.compiler.passes._factors import (
     emit_sq_norm_materialized,
     ghost_cost,
     materialized_cost,
+    merge_groups,
+    merge_parts,
     mixed_product_dtype,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
-from opake_compile.compiler.passes.ghost_embedding import match_embedding
+from opake_compile.compiler.passes.ghost_embedding import match_embedding, match_embedding_bag
 from opake_compile.compiler.passes.ghost_matmul import match_matmul
 from opake_compile.exceptions import ConfigurationError
 
 aten = torch.ops.aten
 
-__all__ = ["RULES", "WHOLE_RULES", "BOOKKEEPING_MODES", "FORCEABLE_PATHS", "GhostClipping", "ghost_clipping", "REWRITE_PASSES"]
+__all__ = [
+    "RULES",
+    "WHOLE_RULES",
+    "BOOKKEEPING_MODES",
+    "FORCEABLE_PATHS",
+    "GhostClipping",
+    "ghost_clipping",
+    "REWRITE_PASSES",
+    "is_fast_path",
+    "fast_path_share",
+]
 
 Rule = Callable[[Emitter, fx.Node, bool, int], "Factor | None"]
 WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
@@ -59,6 +73,7 @@ WholeRule = Callable[[Emitter, fx.Node, int], "Factor | None"]
 RULES: dict[str, Rule] = {
     "linear": match_matmul,
     "embedding": match_embedding,
+    "embedding_bag": match_embedding_bag,
 }
 
 #: Whole-gradient rules: (emitter, G node of shape (P, *param.shape), P) -> Factor whose (R, C)
@@ -139,11 +154,27 @@ def _mutated(g: fx.Node, factors: list[Factor]) -> bool:
     return False
 
 
-def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
-    factors, why = _match_rules(em, g, p, enabled)
-    if factors is not None and _mutated(g, factors):
+@dataclasses.dataclass(frozen=True)
+class _Match:
+    """The factors of one parameter's per-example gradient, in blocks: ``G`` is the
+    concatenation of the blocks along ``cat_dim`` of its ``(R, C)`` form (0: rows, 1: columns;
+    ``None``: one block), each block the sum of its factors' products. Blocks come from one
+    parameter sliced into pieces used separately (``nn.MultiheadAttention.in_proj_weight``
+    with distinct query, key and value): their gradients occupy disjoint entries."""
+
+    blocks: list[list[Factor]]
+    cat_dim: int | None = None
+
+    @property
+    def factors(self) -> list[Factor]:
+        return [f for b in self.blocks for f in b]
+
+
+def _match(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[_Match, str] | tuple[None, str]:
+    found, why = _match_rules(em, g, p, enabled)
+    if found is not None and _mutated(g, found.factors):
         return None, "an in-place op the rules do not account for touches its per-example gradient"
-    return factors, why
+    return found, why
 
 
 class _RuleFailed(Exception):
@@ -166,7 +197,7 @@ def _call_rule(name: str, rule: Callable[..., Factor | None], em: Emitter, failu
     return f
 
 
-def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[list[Factor], str] | tuple[None, str]:
+def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tuple[_Match, str] | tuple[None, str]:
     failures: list[str] = []
     found, why = _match_rules_inner(em, g, p, enabled, failures)
     if found is None and failures:
@@ -176,21 +207,37 @@ def _match_rules(em: Emitter, g: fx.Node, p: int, enabled: frozenset[str]) -> tu
 
 def _match_rules_inner(
     em: Emitter, g: fx.Node, p: int, enabled: frozenset[str], failures: list[str]
-) -> tuple[list[Factor], str] | tuple[None, str]:
+) -> tuple[_Match, str] | tuple[None, str]:
     for name, rule in WHOLE_RULES.items():
         if name not in enabled:
             continue
         f = _call_rule(name, rule, em, failures, g, p)
         if f is not None:
-            return [f], "ok"
+            return _Match([[f]]), "ok"
     top = _matrix_form(g)
     if top is None:
         return None, "its per-example gradient has no (P, R, C) matrix form"
+    pieces, cat_dim = _pieces(top)
+    blocks = []
+    for piece, flipped in pieces:
+        factors, why = _match_terms(em, piece, flipped, p, enabled, failures)
+        if factors is None:
+            return None, why
+        blocks.append(factors)
+    return _Match(blocks, cat_dim), "ok"
+
+
+def _match_terms(
+    em: Emitter, top: fx.Node, flipped: bool, p: int, enabled: frozenset[str], failures: list[str]
+) -> tuple[list[Factor], str] | tuple[None, str]:
+    """Factors whose products sum to ``top`` (3-D; transposed when ``flipped``)."""
     _, r, c = shape(top)
+    if flipped:
+        r, c = c, r
     factors = []
-    for term, flipped in _terms(top, False):
+    for term, fl in _terms(top, flipped):
         for name, rule in RULES.items():
-            f = _call_rule(name, rule, em, failures, term, flipped, p) if name in enabled else None
+            f = _call_rule(name, rule, em, failures, term, fl, p) if name in enabled else None
             if f is not None:
                 break
         else:
@@ -199,6 +246,28 @@ def _match_rules_inner(
             return None, "a matched term has the wrong shape"
         factors.append(f)
     return factors, "ok"
+
+
+def _pieces(top: fx.Node) -> tuple[list[tuple[fx.Node, bool]], int | None]:
+    """``top`` as ``[(piece, transposed)]`` and the dim of ``top``'s ``(R, C)`` form they are
+    concatenated along, looking through views and transposes for an ``aten.cat`` of 3-D
+    pieces along dim 1 or 2 (the backward of ``chunk``/``split`` of a parameter); else
+    ``[(top, False)], None``."""
+    node, flipped = top, False
+    while node.op == "call_function":
+        if node.target in _VIEWS and isinstance(node.args[0], fx.Node) and shape(node.args[0]) == shape(node):
+            node = node.args[0]
+        elif _is_swap_last_two(node):
+            node, flipped = node.args[0], not flipped
+        else:
+            break
+    if node.op == "call_function" and node.target is aten.cat.default:
+        parts = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else 0
+        if all(isinstance(x, fx.Node) and len(shape(x)) == 3 for x in parts) and dim % 3 in (1, 2):
+            cat_dim = dim % 3 - 1
+            return [(x, flipped) for x in parts], (1 - cat_dim if flipped else cat_dim)
+    return [(top, False)], None
 
 
 #: How the book-keeping sums of dense terms are emitted (see :class:`GhostClipping`).
@@ -365,50 +434,57 @@ def _rewrite_parameter(
     """
     g = _gradient_of(sq)
     p = shape(g)[0]
-    factors, why = _match(em, g, p, enabled)
-    if factors is None:
+    found, why = _match(em, g, p, enabled)
+    if found is None:
         if wanted != "auto":
             raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: no rewrite rule matches this parameter ({why}).")
         if len(shape(g)) == 2:
             # Biases and normalisation affine parameters: the per-example gradient is a
             # (P, d) vector, as small as the activations it comes from. Nothing to gain.
             return "direct (per-example vector)", None, None
+        if _elementwise_reduction(g):
+            # LayerNorm / RMSNorm affine weights over several dims: the per-example gradient is
+            # a sum over positions of an elementwise product, no larger than the activation
+            # it is read from and formed in one pass over it. Nothing to gain either.
+            return DIRECT_ELEMENTWISE, None, None
         return None, why, None
+    factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
-    dense = not any(f.onehot for f in factors)
-    if wanted == "mixed" and not dense:
+    if wanted == "mixed" and any(f.onehot for f in factors):
         raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
-    mixed = wanted == "mixed"
-    mixable = all(f.rule in _MIXED_RULES for f in factors)
-    # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
-    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
-    # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
-    # keeping the traced per-example gradient (conv), only flops: materialising costs memory
-    # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
-    # non-private step when the float64 factor was applied there too).
-    cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
-    ghost = ghost_cost(factors, p, cost_factor)
-    # A float64 mixed product (long sequences) costs about what a float64 Gram form does.
-    mixed_factor = GRAM_COST_FACTOR if (mixable and mixed_product_dtype(factors, sum_acc) != sum_acc) else 1
-    if wanted == "auto" and dense and ghost > materialized_cost(factors, p) * mixed_factor:
-        if not mixable:
-            # The traced form (e.g. oneDNN's grouped convolution backward) forms the
-            # per-example gradient at least as fast as an explicit product would.
-            return "materialized (cheaper than ghost)", None, None
-        mixed = True
+    plans = []
+    for block in found.blocks:
+        plan = _plan(block, p, wanted, sum_acc)
+        if plan[0] == "materialized":
+            return "materialized (cheaper than ghost)", plan[1], None
+        plans.append(plan)
     try:
-        if mixed:
-            # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming the
-            # per-example gradient, so form it for the norm only; the sum stays book-keeping.
-            new_sq, new_mass = emit_sq_norm_materialized(em, factors, sum_acc)
-            label = f"bk:{rules} (norm materialized)"
-        else:
-            new_sq, new_mass = emit_sq_norm(em, factors, grams, gram_dtype)
-            label = f"ghost:{rules}"
-        summed = emit_clipped_sum(em_out, factors, kept, factor, sum_acc, bookkeeping, all_kept)
+        sqs, masses, sums = [], [], []
+        for block, (mode, gram_dtype) in zip(found.blocks, plans):
+            if mode == "mixed":
+                # Mixed strategy (Bu et al. 2023): the Gram form would cost more than forming
+                # the per-example gradient, so form it for the norm only; the sum stays
+                # book-keeping.
+                b_sq, b_mass = emit_sq_norm_materialized(em, block, sum_acc)
+            else:
+                b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
+            b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
+            sqs.append(b_sq)
+            masses.append(b_mass)
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, sum_acc, bookkeeping, all_kept))
+        new_sq, new_mass = merge_parts(em, sqs, masses)
+        summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
     except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
         raise _RuleFailed(f"emitting the {rules} rewrite failed ({type(err).__name__}: {err})") from err
+    modes = {mode for mode, _ in plans}
+    if modes == {"mixed"}:
+        label = f"bk:{rules} (norm materialized)"
+    elif modes == {"ghost"}:
+        label = f"ghost:{rules}"
+    else:
+        n = sum(mode == "mixed" for mode, _ in plans)
+        label = f"ghost:{rules} (norm materialized in {n} of {len(plans)} blocks)"
     # Everything is emitted: only now redirect the uses (nothing above changed the graph's
     # existing nodes, so a failure before this point is undone by erasing the new nodes).
     summed.meta["opake_role"] = ("clipped_sum", name)
@@ -421,6 +497,128 @@ def _rewrite_parameter(
     return label, None, [f.rule for f in factors]
 
 
+def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype) -> tuple[str, object]:
+    """How one block's norm is formed: ``("ghost", gram dtype)``, ``("mixed", None)``, or
+    ``("materialized", why)`` when forming the per-example gradient in the traced graph is
+    cheaper and no mixed form exists (conv)."""
+    dense = not any(f.onehot for f in factors)
+    mixable = all(f.rule in _MIXED_RULES for f in factors)
+    # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
+    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
+    if wanted == "mixed":
+        return "mixed", None
+    # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
+    # keeping the traced per-example gradient (conv), only flops: materialising costs memory
+    # (P x R x C alive; the CNN bench's peak memory went from 1.28x to 1.81x of the
+    # non-private step when the float64 factor was applied there too).
+    cost_factor = GRAM_COST_FACTOR if (mixable and gram_dtype == NORM_DTYPE) else 1
+    ghost = ghost_cost(factors, p, cost_factor)
+    direct = materialized_cost(factors, p)
+    # A float64 mixed product (long sequences, mixed_product_dtype) costs about what a float64
+    # Gram form does.
+    mixed_factor = GRAM_COST_FACTOR if (mixable and mixed_product_dtype(factors, sum_acc) != sum_acc) else 1
+    if wanted == "auto" and dense and ghost > direct * mixed_factor:
+        if not mixable:
+            # The traced form (e.g. oneDNN's grouped convolution backward) forms the
+            # per-example gradient at least as fast as an explicit product would.
+            return "materialized", _cost_note(factors, p, ghost, direct)
+        return "mixed", None
+    return "ghost", gram_dtype
+
+
+#: Coverage label of a per-example gradient formed by elementwise ops and reductions over
+#: positions (:func:`_elementwise_reduction`).
+DIRECT_ELEMENTWISE = "direct (per-example elementwise)"
+
+_SHAPE_OPS = _VIEWS + (aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default, aten._to_copy.default)
+
+
+def _elementwise_reduction(g: fx.Node) -> bool:
+    """Whether ``G`` (``(P, *param.shape)``) is, up to reshapes and a sum over non-batch dims,
+    a tensor the graph needs anyway (an output gradient: a bias over several dims) or
+    pointwise ops on such tensors of the same size (LayerNorm over several dims:
+    ``sum_t xhat_t * g_t``), with no outer product on the way (an ``expand``, or a broadcast
+    of smaller operands only). Such a gradient costs one pass over an activation-sized
+    tensor to form; there is no cheaper form to rewrite it to."""
+    node, _ = _through(g)
+    if node.op == "call_function" and node.target is aten.sum.dim_IntList:
+        nd = len(shape(node.args[0]))
+        dims = node.args[1] if len(node.args) > 1 else None
+        if not dims or any(d % nd == 0 for d in dims):
+            return False
+        return _dense(node.args[0], 16, g)
+    return _dense(g, 16, g)
+
+
+def _through(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """The producer behind a chain of size-preserving reshapes, and the chain."""
+    chain = [node]
+    while node.op == "call_function" and node.target in _SHAPE_OPS and isinstance(node.args[0], fx.Node):
+        if math.prod(shape(node.args[0])) != math.prod(shape(node)):
+            break
+        node = node.args[0]
+        chain.append(node)
+    return node, chain
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OpOverload)
+        and torch.Tag.pointwise in node.target.tags
+    )
+
+
+def _dense(node: fx.Node, depth: int, g: fx.Node | None = None) -> bool:
+    """Whether ``node`` holds an activation-sized tensor that is not a broadcast: a pointwise
+    op with a dense operand of its own size, or a tensor some other part of the graph reads
+    too (an input, an output gradient). ``expand``, pointwise ops of smaller operands only,
+    and products formed only for this gradient (whose only other readers are ``G``'s own
+    norm and sum) are not."""
+    node, chain = _through(node)
+    if any(len(x.users) > 1 for x in chain if x is not g):
+        return True  # the graph reads it elsewhere too: it exists anyway
+    if node.op == "placeholder":
+        return True
+    if node.op != "call_function" or node.target is aten.expand.default:
+        return False
+    if _pointwise(node):
+        if depth == 0:
+            return False
+        n = math.prod(shape(node))
+        return any(
+            math.prod(shape(x)) == n and _dense(x, depth - 1)
+            for x in node.all_input_nodes
+            if isinstance(x.meta.get("val"), torch.Tensor)
+        )
+    # Another producer read by nothing else: only an output of a multi-output op that is
+    # no contraction (a normalisation's output, say) counts as an activation; anything
+    # else (a contraction, a view the walk does not know) is formed for this gradient.
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+        return node.args[0].target not in _CONTRACTIONS
+    return False
+
+
+#: Ops that form per-example weight gradients (outer products summed over positions).
+_CONTRACTIONS = frozenset({
+    aten.bmm.default, aten.mm.default, aten.baddbmm.default, aten.addmm.default,
+    aten.convolution_backward.default, aten.embedding_dense_backward.default,
+    aten._embedding_bag_backward.default, aten.stack.default, aten.cat.default,
+})
+
+
+def _cost_note(factors: list[Factor], p: int, ghost: int, direct: int) -> str:
+    """Why the cost model kept a parameter materialised, with its numbers (``describe``)."""
+    f = factors[0]
+    k = sum(x.k for x in factors)
+    groups = f" x {f.groups} groups" if f.groups > 1 else ""
+    return (
+        f"Gram form {ghost:.3g} vs forming the per-example gradient {direct:.3g} multiply-adds: "
+        f"P={p}{groups}, R={f.rows}, C={f.cols}, K={k} positions; the Gram form wins only when "
+        f"K (R + C) < R C, i.e. K < {f.rows * f.cols / (f.rows + f.cols):.3g}"
+    )
+
+
 def _gradient_of(sq: fx.Node) -> fx.Node:
     """The per-example gradient ``G`` a tagged ``sq_norm`` node reduces (recorded by the clip
     pass)."""
@@ -430,3 +628,32 @@ def _gradient_of(sq: fx.Node) -> fx.Node:
 
 
 REWRITE_PASSES = [ghost_clipping]
+
+
+def is_fast_path(label: str) -> bool:
+    """Whether a coverage label names a path on which no per-example copy of the parameter is
+    formed beyond the size of an activation: ghost norms, book-keeping sums (``ghost:``,
+    ``bk:``) and per-example vectors or elementwise reductions (``direct``). Every
+    ``materialized`` label is the slow path (``describe()`` says why it was kept)."""
+    return not label.startswith("materialized")
+
+
+def fast_path_share(coverage: Mapping[str, str], sizes: Mapping[str, int]) -> float:
+    """The share of trainable elements on a fast path (:func:`is_fast_path`).
+
+    Args:
+        coverage: parameter name -> coverage label (``DPStep.coverage``).
+        sizes: parameter name -> number of elements (``{k: p.numel() for k, p in
+            model.named_parameters()}``).
+
+    Returns:
+        A float in [0, 1] (1.0 for no parameters).
+
+    Example::
+
+        step(x, y)
+        share = fast_path_share(step.coverage, {k: p.numel() for k, p in model.named_parameters()})
+    """
+    total = sum(int(sizes[k]) for k in coverage)
+    fast = sum(int(sizes[k]) for k, label in coverage.items() if is_fast_path(label))
+    return 1.0 if total == 0 else fast / total
