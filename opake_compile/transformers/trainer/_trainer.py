@@ -136,10 +136,7 @@ class PadToLength:
 
 
 def _sequence_length(example: Mapping[str, Any]) -> int:
-    for key in ("input_ids", "chosen_input_ids"):
-        if key in example:
-            return len(example[key])
-    return 0
+    return max((len(v) for k, v in example.items() if k.endswith("input_ids")), default=0)
 
 
 class DPTrainer(transformers.Trainer):
