@@ -94,7 +94,7 @@ def test_epsilon_logged_equals_accountant(tmp_path):
     accountant's for the steps taken so far."""
     n, steps = 40, 3
     args = dp_args(tmp_path, target_epsilon=4.0, expected_batch_size=4, max_steps=steps, dp_backend=None)
-    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(n))
+    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(n), eval_dataset=lm_rows(4, seed=9))
     out = quiet(trainer.train)
     sigma, q = out.privacy["noise_multiplier"], out.privacy["sample_rate"]
     assert q == pytest.approx(0.1) and out.privacy["dataset_size"] == n
@@ -107,6 +107,12 @@ def test_epsilon_logged_equals_accountant(tmp_path):
     assert out.epsilon == pytest.approx(accountant.epsilon(step * steps, 1e-5), rel=1e-9)
     assert 0.97 * 4.0 <= out.epsilon <= 4.0  # calibrated to the target, never above it
     assert out.delta == 1e-5 and trainer.dp_optimizer.steps == steps
+    metrics = quiet(trainer.evaluate)
+    assert metrics.epsilon == out.epsilon and not metrics.privatised and math.isfinite(metrics["eval_loss"])
+    empty = trainer._collate_train([])  # an empty Poisson draw: (0, T) tensors, a zero clipped sum
+    assert all(v.shape[0] == 0 for v in empty.values()) and empty["input_ids"].shape == (0, T)
+    zero = trainer.dp_step(*[empty[k] for k in trainer._dp_keys]).clipped
+    assert all(float(g.abs().sum()) == 0.0 for g in zero.grads.values())
 
 
 def _reference_update(rows, reduce: str, lr: float) -> list[torch.Tensor]:
