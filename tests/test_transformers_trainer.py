@@ -9,6 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
 from opake_compile import accounting as acc  # noqa: E402
 from opake_compile.exceptions import ConfigurationError, PrivacyBudgetExhaustedError  # noqa: E402

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
 tokenizers = pytest.importorskip("tokenizers")
 
 from opake_compile.exceptions import ConfigurationError  # noqa: E402
