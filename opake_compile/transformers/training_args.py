@@ -9,7 +9,9 @@ Fields added to :class:`transformers.TrainingArguments`, by concern:
   Poisson batch; ``per_device_train_batch_size`` is the physical chunk the compiled step runs
   (it never changes what is computed, only memory); ``poisson_sampling`` must stay ``True``;
 * compute: ``max_length`` (every training sequence is padded or cut to it, so the compiled step
-  never recompiles), ``dp_backend`` (the ``compile_dp`` backend).
+  never recompiles; default: the longest training sequence, with a warning, since that length is
+  a statistic of the private data: set a public bound), ``dp_backend`` (the ``compile_dp``
+  backend).
 
 What is refused up front (:class:`~opake_compile.exceptions.ConfigurationError`, naming the
 alternative): ``gradient_accumulation_steps > 1`` (each optimizer step must add noise once to

@@ -218,6 +218,13 @@ class DPTrainer(transformers.Trainer):
         lengths = [_sequence_length(train_dataset[i]) for i in range(n)]
         if max_length is None:
             max_length = max(lengths) if lengths else 1
+            warnings.warn(
+                f"max_length not set: using the longest training sequence ({max_length} tokens), a statistic "
+                "of the private data that TrainOutput.privacy and the compiled shapes reveal. Set max_length "
+                "to a public bound when that matters.",
+                UserWarning,
+                stacklevel=2,
+            )
         self.dp_max_length = int(max(1, max_length))
         processing = kwargs.get("processing_class")
         pad_id = getattr(processing, "pad_token_id", None)
