@@ -45,7 +45,7 @@ def dp_args(tmp_path, **kw) -> TrainingArguments:
         output_dir=str(tmp_path), report_to=[], disable_tqdm=True, use_cpu=True,
         optim="sgd", learning_rate=0.5, weight_decay=0.0, lr_scheduler_type="constant",
         per_device_train_batch_size=8, max_steps=3, logging_steps=1, save_strategy="no",
-        target_delta=1e-5, dp_backend="aot_eager", dp_seed=0,
+        target_delta=1e-5, dp_backend="aot_eager", dp_seed=0, max_length=T,
     )
     base.update(kw)
     with warnings.catch_warnings():
@@ -231,6 +231,8 @@ def test_trainer_refusals(tmp_path):
     with pytest.raises(ConfigurationError, match=r"N\^-1.1"):
         DPTrainer(tiny_gpt2(), dp_args(tmp_path, noise_multiplier=1.0, sample_rate=0.1, target_delta=0.05),
                   train_dataset=rows)
+    with pytest.raises(ConfigurationError, match="max_length is required"):
+        DPTrainer(tiny_gpt2(), dp_args(tmp_path, noise_multiplier=1.0, sample_rate=0.1, max_length=None), train_dataset=rows)
     with pytest.raises(ConfigurationError, match="sample_rate=1.0"):
         DPTrainer(tiny_gpt2(), dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=41), train_dataset=rows)
     with pytest.raises(Exception, match="TrainingArguments"):

@@ -38,7 +38,7 @@ def tiny_gpt2(seed: int = 0):
 def config(cls, tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), report_to=[], disable_tqdm=True, use_cpu=True, optim="sgd",
                 learning_rate=0.1, max_steps=2, logging_steps=1, save_strategy="no", per_device_train_batch_size=4,
-                target_delta=1e-3, noise_multiplier=1.0, expected_batch_size=4, dp_backend=None, dp_seed=0)
+                target_delta=1e-3, noise_multiplier=1.0, expected_batch_size=4, dp_backend=None, dp_seed=0, max_length=16)
     base.update(kw)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

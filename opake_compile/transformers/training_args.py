@@ -83,7 +83,7 @@ class TrainingArguments(transformers.TrainingArguments):
     # -- compute ---------------------------------------------------------------------------
     max_length: int | None = dataclasses.field(
         default=None,
-        metadata={"help": "Sequences are padded/cut to this length (default: longest training sequence)."},
+        metadata={"help": "Required by DPTrainer: sequences are padded/cut to this public length (a default from the data would release a private statistic)."},
     )
     dp_backend: str | None = dataclasses.field(
         default="inductor",

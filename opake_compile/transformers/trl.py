@@ -48,8 +48,8 @@ class SFTConfig(TrainingArguments):
         packing: must stay ``False`` (see the module docstring).
         assistant_only_loss: must stay ``False`` (not implemented).
         eos_token: appended to each sequence (default: the tokenizer's).
-        max_length: tokens per sequence (cut from the end, TRL's ``"keep_start"``; default: the
-            longest row).
+        max_length: tokens per sequence (cut from the end, TRL's ``"keep_start"``); required, a
+            public bound (a default from the data would release a private statistic).
     """
 
     dataset_text_field: str = "text"

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -135,10 +134,6 @@ class PadToLength:
         return out
 
 
-def _sequence_length(example: Mapping[str, Any]) -> int:
-    return max((len(v) for k, v in example.items() if k.endswith("input_ids")), default=0)
-
-
 class DPTrainer(transformers.Trainer):
     """A :class:`transformers.Trainer` that trains with DP-SGD (per-example clipping + Gaussian
     noise + Poisson sampling + accounting). Same constructor as ``Trainer``; ``args`` must be
@@ -215,15 +210,13 @@ class DPTrainer(transformers.Trainer):
         self.dp_sample_rate = q
         self._user_collator = kwargs.get("data_collator")
         max_length = args.max_length
-        lengths = [_sequence_length(train_dataset[i]) for i in range(n)]
         if max_length is None:
-            max_length = max(lengths) if lengths else 1
-            warnings.warn(
-                f"max_length not set: using the longest training sequence ({max_length} tokens), a statistic "
-                "of the private data that TrainOutput.privacy and the compiled shapes reveal. Set max_length "
-                "to a public bound when that matters.",
-                UserWarning,
-                stacklevel=2,
+            # Padding to the longest training sequence would publish a statistic of the
+            # private data (in the compiled shapes and TrainOutput.privacy) without charging it.
+            raise ConfigurationError(
+                "max_length is required: every sequence is padded or cut to it, and defaulting to the "
+                "longest private training sequence would release that length uncharged. Set it to a "
+                "public bound (e.g. the tokenizer's model_max_length or your task's length limit)."
             )
         self.dp_max_length = int(max(1, max_length))
         processing = kwargs.get("processing_class")
