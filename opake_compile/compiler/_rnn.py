@@ -1,0 +1,276 @@
+"""Recurrent layers and packed sequences under the per-example transform.
+
+``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` and their ``*Cell`` forms call fused kernels
+(``torch._VF.rnn_tanh``, ``gru``, ``lstm``, ``gru_cell``, ...). Under ``torch.func.vmap`` with
+a batched input and an *unbatched* initial state (``hx=None`` makes zeros, the same for every
+example) those kernels add a batched gate into the unbatched state in place, which vmap cannot
+do ("output with shape [1, 8] doesn't match the broadcast shape [6, 1, 8]"); ``nn.LSTM`` on CPU
+traces, but through ``mkldnn_rnn_layer``, which has no batching rule, so vmap unrolls one copy of
+the whole layer per example into the graph. :func:`recurrent_ops` replaces these calls, while it
+is active, by the same recurrences written with out-of-place tensor ops (one ``linear`` over
+all time steps for the input weights, one cell per step for the recurrent weights), which vmap
+and ``make_fx`` handle like any other layer.
+
+Packed sequences. Under the per-example transform every example is a batch of one with its own
+length, so the packed layout (``data`` of shape ``(sum of lengths, *)``, ``batch_sizes`` with one
+entry per time step) has a data-dependent shape. While :func:`recurrent_ops` is active,
+``pack_padded_sequence(x, lengths, ...)`` returns a :class:`~torch.nn.utils.rnn.PackedSequence`
+in a fixed-shape form: ``data`` holds every padded position, time-major, ``(T * b, *)``, and
+``batch_sizes`` says ``b`` for each of the ``T`` steps; the lengths travel beside it. The
+recurrent layers then run over all T steps with a mask ``t < length``: at a masked step the
+state is carried over unchanged and the output is zero, so the final state of each direction is
+its state at the sequence's last valid position (the reverse direction starts there) and the
+gradient is exactly that of the example run alone with its length (positions at or beyond the
+length have no effect; lengths are clamped to ``[0, T]``). ``pad_packed_sequence`` returns the
+padded form, with ``padding_value`` at masked positions, padded to T (or ``total_length``): the
+example's own output padded to the batch's length, as in the ordinary batch. Any other use of a
+packed sequence's ``data`` (which would see the padded positions) raises
+:class:`~opake_compile.exceptions.UnsupportedOperationError` naming the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, resolve_name
+
+from opake_compile.exceptions import UnsupportedOperationError
+
+__all__ = ["recurrent_ops"]
+
+# Tensor methods and properties that only read metadata: allowed on a fixed-shape packed
+# sequence's data (the recurrent modules' argument checks use them).
+_METADATA = frozenset(
+    {"dim", "ndimension", "size", "shape", "ndim", "dtype", "device", "is_cuda", "layout", "numel",
+     "nelement", "requires_grad", "is_floating_point", "is_complex", "element_size", "stride",
+     "is_contiguous", "__len__", "__hash__", "__eq__"}
+)
+
+
+def _lstm_cell(gx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh, b_hh, w_hr):  # noqa: ANN001, ANN202
+    i, f, g, o = (gx + F.linear(h, w_hh, b_hh)).chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    if w_hr is not None:
+        h = F.linear(h, w_hr)
+    return h, c
+
+
+def _gru_cell(gx: torch.Tensor, h: torch.Tensor, w_hh, b_hh):  # noqa: ANN001, ANN202
+    xr, xz, xn = gx.chunk(3, -1)
+    hr, hz, hn = F.linear(h, w_hh, b_hh).chunk(3, -1)
+    r = torch.sigmoid(xr + hr)
+    z = torch.sigmoid(xz + hz)
+    n = torch.tanh(xn + r * hn)
+    return n + z * (h - n)
+
+
+def _simple_cell(gx: torch.Tensor, h: torch.Tensor, w_hh, b_hh, relu: bool):  # noqa: ANN001, ANN202
+    pre = gx + F.linear(h, w_hh, b_hh)
+    return torch.relu(pre) if relu else torch.tanh(pre)
+
+
+def _step(kind: str, gx: torch.Tensor, state: tuple[torch.Tensor, ...], w: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    if kind == "lstm":
+        return _lstm_cell(gx, state[0], state[1], w["w_hh"], w["b_hh"], w["w_hr"])
+    if kind == "gru":
+        return (_gru_cell(gx, state[0], w["w_hh"], w["b_hh"]),)
+    return (_simple_cell(gx, state[0], w["w_hh"], w["b_hh"], kind == "rnn_relu"),)
+
+
+def _direction(
+    kind: str, x: torch.Tensor, state: tuple[torch.Tensor, ...], w: dict[str, Any], reverse: bool, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One direction of one layer over a time-major input ``x`` (T, b, F); ``mask`` (T, b)
+    bool or None. Returns the outputs (T, b, H_out) and the final state."""
+    gx = F.linear(x, w["w_ih"], w["b_ih"])  # all steps in one product: (T, b, gates * H)
+    steps = gx.unbind(0)
+    order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
+    keep = mask.unbind(0) if mask is not None else None
+    outs: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
+    for t in order:
+        new = _step(kind, steps[t], state, w)
+        if keep is None:
+            state, outs[t] = new, new[0]
+        else:
+            m = keep[t].unsqueeze(-1)
+            state = tuple(torch.where(m, n, s) for n, s in zip(new, state))
+            outs[t] = torch.where(m, new[0], torch.zeros_like(new[0]))
+    return torch.stack(outs, 0), state
+
+
+def _run(
+    kind: str,
+    x: torch.Tensor,
+    hx: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stacked recurrence on a time-major ``x`` (T, b, F); ``hx`` holds the initial state
+    tensors (num_layers * directions, b, H) (two for an LSTM). Returns the last layer's outputs
+    (T, b, directions * H_out) and the final states stacked like ``hx``."""
+    dirs = 2 if bidirectional else 1
+    per = len(params) // (num_layers * dirs)
+    proj = kind == "lstm" and per == (5 if has_biases else 3)
+    finals: list[list[torch.Tensor]] = [[] for _ in hx]
+    layer_in = x
+    for layer in range(num_layers):
+        outs = []
+        for d in range(dirs):
+            k = layer * dirs + d
+            p = list(params[k * per : (k + 1) * per])
+            w = {
+                "w_ih": p[0],
+                "w_hh": p[1],
+                "b_ih": p[2] if has_biases else None,
+                "b_hh": p[3] if has_biases else None,
+                "w_hr": p[-1] if proj else None,
+            }
+            y, state = _direction(kind, layer_in, tuple(h[k] for h in hx), w, d == 1, mask)
+            outs.append(y)
+            for acc, s in zip(finals, state):
+                acc.append(s)
+        layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
+        if dropout > 0 and train and layer < num_layers - 1:
+            layer_in = F.dropout(layer_in, dropout, training=True)
+    return layer_in, [torch.stack(f, 0) for f in finals]
+
+
+class _RecurrentMode(TorchFunctionMode):
+    """Replaces the fused recurrent kernels and the packed-sequence ops (see the module
+    docstring). Fixed-shape packed data is recognised by identity."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(data) -> (data, lengths)
+        self._batch_sizes: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, b)
+        self._handlers = {
+            torch.rnn_tanh: lambda *a, **k: self._layer("rnn_tanh", *a, **k),
+            torch.rnn_relu: lambda *a, **k: self._layer("rnn_relu", *a, **k),
+            torch.gru: lambda *a, **k: self._layer("gru", *a, **k),
+            torch.lstm: lambda *a, **k: self._layer("lstm", *a, **k),
+            torch.rnn_tanh_cell: lambda *a, **k: self._cell("rnn_tanh", *a, **k),
+            torch.rnn_relu_cell: lambda *a, **k: self._cell("rnn_relu", *a, **k),
+            torch.gru_cell: lambda *a, **k: self._cell("gru", *a, **k),
+            torch.lstm_cell: lambda *a, **k: self._cell("lstm", *a, **k),
+            torch._pack_padded_sequence: self._pack,
+            torch._pad_packed_sequence: self._pad,
+        }
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        handler = self._handlers.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        if self._packed or self._batch_sizes:
+            marked = self._marked_arg(args, kwargs)
+            if marked is not None:
+                return self._on_marked(func, marked, args, kwargs)
+        return func(*args, **kwargs)
+
+    # ------------------------------------------------------------------ packed sequences
+    def _marked_arg(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        for a in (*args, *kwargs.values()):
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                if isinstance(t, torch.Tensor) and (id(t) in self._packed or id(t) in self._batch_sizes):
+                    return t
+        return None
+
+    def _on_marked(self, func: Any, marked: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        name = resolve_name(func) or getattr(func, "__name__", repr(func))
+        short = name.removesuffix(".__get__").rsplit(".", 1)[-1]
+        if short in _METADATA:
+            return func(*args, **kwargs)
+        if id(marked) in self._batch_sizes and short == "__getitem__":
+            # nn.RNN reads the batch size as int(batch_sizes[0]): the same for every step here.
+            return self._batch_sizes[id(marked)][1]
+        if id(marked) in self._packed and short == "to" and args and args[0] is marked:
+            out = func(*args, **kwargs)
+            if out is not marked:
+                self._packed[id(out)] = (out, self._packed[id(marked)][1])
+            return out
+        raise UnsupportedOperationError(
+            f"{name} on a PackedSequence's data or batch_sizes is not supported by compile_dp. "
+            "Under the per-example transform a packed sequence keeps a fixed shape (every padded "
+            "position, with the lengths beside it), so an operation on its .data would also see "
+            "the padded positions. Use packed sequences only as inputs to nn.RNN/GRU/LSTM and "
+            "pad_packed_sequence, and apply other layers to the padded tensor (masking by length)."
+        )
+
+    def _pack(self, x: torch.Tensor, lengths: torch.Tensor, batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_first:
+            x = x.transpose(0, 1)
+        steps, b = x.shape[0], x.shape[1]
+        data = x.reshape(steps * b, *x.shape[2:])
+        batch_sizes = torch.full((steps,), b, dtype=torch.int64)
+        self._packed[id(data)] = (data, lengths.to(device=x.device, dtype=torch.int64).clamp(0, steps))
+        self._batch_sizes[id(batch_sizes)] = (batch_sizes, b)
+        return data, batch_sizes
+
+    def _unpacked(self, data: torch.Tensor, batch_sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, b, *) view of fixed-shape packed data, its lengths (b,) and mask (T, b)."""
+        if id(data) not in self._packed or id(batch_sizes) not in self._batch_sizes:
+            raise UnsupportedOperationError(
+                "compile_dp supports packed sequences made inside the loss by "
+                "torch.nn.utils.rnn.pack_padded_sequence (with the lengths as a batched tensor "
+                "argument); this PackedSequence was made otherwise."
+            )
+        lengths = self._packed[id(data)][1]
+        b = self._batch_sizes[id(batch_sizes)][1]
+        x = data.reshape(-1, b, *data.shape[1:])
+        mask = torch.arange(x.shape[0], device=x.device).unsqueeze(1) < lengths.unsqueeze(0)
+        return x, lengths, mask
+
+    def _pad(self, data: torch.Tensor, batch_sizes: torch.Tensor, batch_first: bool, padding_value: float, total_length: int):  # noqa: ANN202
+        x, lengths, mask = self._unpacked(data, batch_sizes)
+        m = mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))
+        out = torch.where(m, x, torch.full_like(x, padding_value))
+        if total_length > x.shape[0]:
+            pad = torch.full((total_length - x.shape[0], *x.shape[1:]), padding_value, dtype=x.dtype, device=x.device)
+            out = torch.cat([out, pad], 0)
+        return (out.transpose(0, 1) if batch_first else out), lengths
+
+    # ------------------------------------------------------------------ layers and cells
+    def _layer(self, kind: str, x: torch.Tensor, *rest: Any) -> Any:
+        if isinstance(rest[2], (list, tuple)):
+            # Packed overload: (data, batch_sizes, hx, params, has_biases, layers, dropout, train, bidir).
+            batch_sizes, hx, params, has_biases, layers, dropout, train, bidir = rest
+            seq, lengths, mask = self._unpacked(x, batch_sizes)
+            out, finals = _run(kind, seq, _states(kind, hx), params, has_biases, layers, dropout, train, bidir, mask)
+            data = out.reshape(-1, *out.shape[2:])
+            self._packed[id(data)] = (data, lengths)
+            return (data, *finals)
+        hx, params, has_biases, layers, dropout, train, bidir, batch_first = rest
+        seq = x.transpose(0, 1) if batch_first else x
+        out, finals = _run(kind, seq, _states(kind, hx), params, has_biases, layers, dropout, train, bidir, None)
+        return (out.transpose(0, 1) if batch_first else out, *finals)
+
+    def _cell(self, kind: str, x: torch.Tensor, hx: Any, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih=None, b_hh=None):  # noqa: ANN001, ANN202
+        gx = F.linear(x, w_ih, b_ih)
+        state = tuple(hx) if kind == "lstm" else (hx,)
+        new = _step(kind, gx, state, {"w_hh": w_hh, "b_hh": b_hh, "w_hr": None})
+        return new if kind == "lstm" else new[0]
+
+
+def _states(kind: str, hx: Any) -> list[torch.Tensor]:
+    return list(hx) if kind == "lstm" else [hx]
+
+
+@contextlib.contextmanager
+def recurrent_ops() -> Iterator[None]:
+    """While active, recurrent layers, cells and packed sequences run in the out-of-place,
+    fixed-shape form described in the module docstring (same values and gradients as the
+    fused kernels, up to rounding). Use around tracing only: the recurrence is unrolled in
+    Python, one cell per time step."""
+    with _RecurrentMode():
+        yield

@@ -1,0 +1,181 @@
+"""Recurrent layers (``nn.RNN`` tanh/relu, ``nn.GRU``, ``nn.LSTM``, the ``*Cell`` forms) and
+packed sequences under ``compile_dp`` (:mod:`opake_compile.compiler._rnn`).
+
+The oracle runs each example alone (a batch of one with its own length, through torch's own
+fused kernels and ``pack_padded_sequence``), clips its gradient and sums
+(``_models.loop_reference``). Batches are padded to P > n rows, so masked rows (length 0) are
+exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import opake_compile as opake
+from _models import loop_reference, seeded
+from opake_compile.exceptions import UnsupportedOperationError
+
+FEATURES, HIDDEN, STEPS, CLASSES = 3, 4, 5, 3
+
+
+class PackedNet(nn.Module):
+    """pack_padded_sequence(enforce_sorted=False) -> recurrent stack -> features from the final
+    states and from the length-normalised sum of pad_packed_sequence's output -> linear head."""
+
+    def __init__(self, kind: str, *, bidirectional: bool, num_layers: int, batch_first: bool,
+                 proj: int = 0, learned_h0: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        cls = {"rnn_tanh": nn.RNN, "rnn_relu": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
+        extra = {"nonlinearity": kind[4:]} if kind.startswith("rnn") else {}
+        if proj:
+            extra["proj_size"] = proj
+        self.kind, self.batch_first = kind, batch_first
+        self.dirs = 2 if bidirectional else 1
+        self.rnn = cls(FEATURES, HIDDEN, num_layers=num_layers, bidirectional=bidirectional,
+                       batch_first=batch_first, dropout=dropout, **extra)
+        out = proj or HIDDEN
+        self.h0 = nn.Parameter(0.3 * torch.randn(num_layers * self.dirs, 1, out)) if learned_h0 else None
+        self.head = nn.Linear(2 * self.dirs * out, CLASSES)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=self.batch_first, enforce_sorted=False)
+        hx = None
+        if self.h0 is not None:
+            h0 = self.h0.expand(-1, x.shape[0 if self.batch_first else 1], -1)
+            hx = (h0, torch.zeros(h0.shape[0], h0.shape[1], HIDDEN)) if self.kind == "lstm" else h0
+        out, state = self.rnn(packed, hx)
+        h_n = state[0] if self.kind == "lstm" else state
+        last = h_n[-self.dirs :].transpose(0, 1).reshape(h_n.shape[1], -1)
+        padded, lens = pad_packed_sequence(out, batch_first=self.batch_first)
+        pooled = padded.sum(1 if self.batch_first else 0) / lens.clamp(min=1).unsqueeze(-1).to(padded.dtype)
+        return self.head(torch.cat([last, pooled], -1))
+
+
+def _loss(model: nn.Module, x: torch.Tensor, lengths: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x, lengths), y)
+
+
+def _batch(n: int, seed: int, batch_first: bool) -> tuple[torch.Tensor, ...]:
+    g = seeded(seed)
+    x = torch.randn(n, STEPS, FEATURES, generator=g)
+    lengths = torch.randint(1, STEPS + 1, (n,), generator=g)
+    lengths[0] = STEPS  # one full-length example
+    y = torch.randint(0, CLASSES, (n,), generator=g)
+    return x, lengths, y
+
+
+def _build(seed: int, **kw) -> PackedNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return PackedNet(**kw)
+
+
+class _TimeMajor(nn.Module):
+    """Adapts a batch-first (n, T, F) argument to a time-major model."""
+
+    def __init__(self, inner: PackedNet) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.transpose(0, 1), lengths)
+
+
+def _check_against_oracle(model: nn.Module, args: tuple, p: int, backend: str = "aot_eager") -> dict[str, str]:
+    _, norms = loop_reference(model, _loss, args, float("inf"))
+    c = float(norms.median())  # about half of the examples are clipped
+    want, want_norms = loop_reference(model, _loss, args, c)
+    step = opake.compile_dp(_loss, model=model, clipping_norm=c, physical_batch_size=p, backend=backend)
+    out = step(*args)
+    assert out.clipped.num_nonfinite == 0
+    torch.testing.assert_close(out.clipped.per_example_norms.double(), want_norms, rtol=1e-5, atol=1e-7)
+    for name, g in out.clipped.grads.items():
+        torch.testing.assert_close(g.double(), want[name], rtol=1e-5, atol=1e-5 * c, msg=name)
+    return dict(out.coverage)
+
+
+CASES = {
+    # kind, bidirectional, layers, batch_first, extras
+    "rnn_tanh-bi-2layer-batch_first": dict(kind="rnn_tanh", bidirectional=True, num_layers=2, batch_first=True),
+    "rnn_relu-time_major-h0": dict(kind="rnn_relu", bidirectional=False, num_layers=2, batch_first=False, learned_h0=True),
+    "gru-bi-2layer-time_major": dict(kind="gru", bidirectional=True, num_layers=2, batch_first=False),
+    "gru-batch_first-h0": dict(kind="gru", bidirectional=False, num_layers=1, batch_first=True, learned_h0=True),
+    "lstm-bi-2layer-proj-h0": dict(kind="lstm", bidirectional=True, num_layers=2, batch_first=True, proj=2, learned_h0=True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_packed_recurrent_clipped_sum_matches_microbatch_oracle(name):
+    kw = CASES[name]
+    model = _build(3, **kw)
+    args = _batch(6, 11, kw["batch_first"])
+    net = model if kw["batch_first"] else _TimeMajor(model)
+    coverage = _check_against_oracle(net, args, p=8)
+    assert any("weight_ih" in k for k in coverage)
+
+
+@pytest.mark.parametrize("kind", ["rnn_tanh", "gru", "lstm"])
+def test_unpacked_recurrent_layers_and_cells_match_oracle(kind):
+    """The plain (unpacked) layer with hx=None, which vmap refused for RNN/GRU, and the cell."""
+    layer_cls = {"rnn_tanh": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
+    cell_cls = {"rnn_tanh": nn.RNNCell, "gru": nn.GRUCell, "lstm": nn.LSTMCell}[kind]
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer_cls(FEATURES, HIDDEN, batch_first=True)
+            self.cell = cell_cls(HIDDEN, HIDDEN)
+            self.head = nn.Linear(HIDDEN, CLASSES)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            seq, _ = self.layer(x)
+            state = None
+            for t in range(seq.shape[1]):
+                state = self.cell(seq[:, t], state)
+            return self.head(state[0] if isinstance(state, tuple) else state)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = Net()
+    _check_against_oracle(model, _batch(5, 2, True), p=7)
+
+
+def test_dropout_between_layers_runs_in_training_mode():
+    model = _build(4, kind="lstm", bidirectional=False, num_layers=2, batch_first=True, dropout=0.5)
+    model.train()
+    args = _batch(4, 1, True)
+    step = opake.compile_dp(_loss, model=model, clipping_norm=1.0, physical_batch_size=4,
+                            backend="aot_eager", key=opake.random.key(0))
+    first, second = step(*args), step(*args)
+    assert step.num_traces == 1
+    for name in first.clipped.grads:
+        assert torch.isfinite(first.clipped.grads[name]).all()
+    # Fresh masks at each call: the inter-layer dropout is in the graph.
+    assert any(not torch.equal(first.clipped.grads[k], second.clipped.grads[k]) for k in first.clipped.grads)
+    model.eval()
+    eval_step = opake.compile_dp(_loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager")
+    a, b = eval_step(*args), eval_step(*args)
+    assert all(torch.equal(a.clipped.grads[k], b.clipped.grads[k]) for k in a.clipped.grads)
+
+
+def test_other_use_of_packed_data_fails_closed():
+    rnn = nn.GRU(FEATURES, HIDDEN, batch_first=True)
+
+    def loss(model, x, lengths, y):  # noqa: ANN001, ANN202
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = model(packed)
+        return out.data.square().sum()  # would include padded positions
+
+    step = opake.compile_dp(loss, model=rnn, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager")
+    with pytest.raises(UnsupportedOperationError, match="PackedSequence"):
+        step(*_batch(4, 0, True))
+
+
+@pytest.mark.inductor
+def test_packed_gru_under_inductor():
+    model = _build(6, kind="gru", bidirectional=True, num_layers=1, batch_first=True)
+    _check_against_oracle(model, _batch(5, 3, True), p=8, backend="inductor")
