@@ -171,6 +171,16 @@ class _RecurrentMode(TorchFunctionMode):
         handler = self._handlers.get(func)
         if handler is not None:
             return handler(*args, **kwargs)
+        if func is torch.Tensor.scatter_ and len(args) == 4 and not kwargs and isinstance(args[3], torch.Tensor):
+            # invert_permutation (PackedSequence's unsorted_indices) scatters in place into a
+            # batched tensor: vmap has no rule for that and would loop over examples. The
+            # out-of-place form has one.
+            return args[0].copy_(torch.scatter(*args))
+        if func in (torch.index_select, torch.Tensor.index_select) and len(args) == 3 and not kwargs:
+            # Sorting by length and unsorting (pack_padded_sequence, pad_packed_sequence,
+            # permute_hidden) index_select with a batched index, whose backward (index_add)
+            # vmap loops over examples; a gather's backward (scatter_add) is batched.
+            return _index_select_as_gather(*args)
         if self._packed or self._batch_sizes:
             marked = self._marked_arg(args, kwargs)
             if marked is not None:
@@ -260,6 +270,15 @@ class _RecurrentMode(TorchFunctionMode):
         state = tuple(hx) if kind == "lstm" else (hx,)
         new = _step(kind, gx, state, {"w_hh": w_hh, "b_hh": b_hh, "w_hr": None})
         return new if kind == "lstm" else new[0]
+
+
+def _index_select_as_gather(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 0 or index.dim() != 1:
+        return torch.index_select(x, dim, index)
+    dim = dim % x.dim()
+    shape = [index.shape[0] if d == dim else n for d, n in enumerate(x.shape)]
+    view = [-1 if d == dim else 1 for d in range(x.dim())]
+    return torch.gather(x, dim, index.view(view).expand(shape))
 
 
 def _states(kind: str, hx: Any) -> list[torch.Tensor]:
