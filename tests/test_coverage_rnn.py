@@ -148,13 +148,19 @@ def test_unpacked_recurrent_layers_and_cells_match_oracle():
     _check_against_oracle(model, _batch(5, 2, True), p=7)
 
 
-def test_graph_size_does_not_grow_with_the_physical_batch():
-    """No per-example loop: the fused LSTM kernel (mkldnn) and the in-place sort/unsort ops of
-    packing have no vmap rule and were unrolled once per example."""
-    model = _build(2, kind="lstm", bidirectional=False, num_layers=1, batch_first=True, learned_h0=True)
+@pytest.mark.parametrize("packed", [False, True], ids=["lstm", "packed-lstm"])
+def test_graph_size_does_not_grow_with_the_physical_batch(packed):
+    """No per-example loop: the fused LSTM kernel (mkldnn on CPU) and the in-place sort/unsort
+    of packing have no vmap rule, and vmap unrolled them once per example."""
+    model = _build(2, kind="lstm", bidirectional=False, num_layers=1, batch_first=True)
+
+    def loss(m, x, lengths, y):  # noqa: ANN001, ANN202
+        if packed:
+            return _loss(m, x, lengths, y)
+        return F.cross_entropy(m.head(m.rnn(x)[0][:, -1].repeat(1, 2)), y)
 
     def count(p: int) -> int:
-        traced = trace_per_example_grads(model, _loss, _batch(p, 0, True), batched_positions=(0, 1, 2), physical_batch_size=p)
+        traced = trace_per_example_grads(model, loss, _batch(p, 0, True), batched_positions=(0, 1, 2), physical_batch_size=p)
         return sum(n.op == "call_function" for n in traced.gm.graph.nodes)
 
     assert count(2) == count(9)
