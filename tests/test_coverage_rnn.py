@@ -116,7 +116,9 @@ def test_packed_recurrent_clipped_sum_matches_microbatch_oracle(name):
     args = _batch(6, 11, kw["batch_first"])
     net = model if kw["batch_first"] else _TimeMajor(model)
     coverage = _check_against_oracle(net, args, p=8)
-    assert any("weight_ih" in k for k in coverage)
+    # The recurrent weights enter through one product over all steps, so a linear rule applies.
+    hh = [path for k, path in coverage.items() if "weight_hh" in k]
+    assert hh and all(path != "materialized" for path in hh), coverage
 
 
 def test_unpacked_recurrent_layers_and_cells_match_oracle():
@@ -195,5 +197,5 @@ def test_other_use_of_packed_data_fails_closed():
 
 @pytest.mark.inductor
 def test_packed_gru_under_inductor():
-    model = _build(6, kind="gru", bidirectional=True, num_layers=1, batch_first=True)
+    model = _build(6, kind="gru", bidirectional=False, num_layers=1, batch_first=True)
     _check_against_oracle(model, _batch(5, 3, True), p=8, backend="inductor")

@@ -51,55 +51,81 @@ _METADATA = frozenset(
 )
 
 
-def _lstm_cell(gx: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh, b_hh, w_hr):  # noqa: ANN001, ANN202
-    i, f, g, o = (gx + F.linear(h, w_hh, b_hh)).chunk(4, -1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-    h = torch.sigmoid(o) * torch.tanh(c)
-    if w_hr is not None:
-        h = F.linear(h, w_hr)
-    return h, c
-
-
-def _gru_cell(gx: torch.Tensor, h: torch.Tensor, w_hh, b_hh):  # noqa: ANN001, ANN202
-    xr, xz, xn = gx.chunk(3, -1)
-    hr, hz, hn = F.linear(h, w_hh, b_hh).chunk(3, -1)
-    r = torch.sigmoid(xr + hr)
-    z = torch.sigmoid(xz + hz)
-    n = torch.tanh(xn + r * hn)
-    return n + z * (h - n)
-
-
-def _simple_cell(gx: torch.Tensor, h: torch.Tensor, w_hh, b_hh, relu: bool):  # noqa: ANN001, ANN202
-    pre = gx + F.linear(h, w_hh, b_hh)
-    return torch.relu(pre) if relu else torch.tanh(pre)
-
-
-def _step(kind: str, gx: torch.Tensor, state: tuple[torch.Tensor, ...], w: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+def _cell(kind: str, gx: torch.Tensor, gh: torch.Tensor, state: tuple[torch.Tensor, ...], w_hr: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """One step from the input projection ``gx`` and the hidden projection ``gh`` (both
+    ``(b, gates * H)``, biases included), in PyTorch's gate order (LSTM i, f, g, o; GRU r, z, n)."""
     if kind == "lstm":
-        return _lstm_cell(gx, state[0], state[1], w["w_hh"], w["b_hh"], w["w_hr"])
+        i, f, g, o = (gx + gh).chunk(4, -1)
+        c = torch.sigmoid(f) * state[1] + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return (h if w_hr is None else F.linear(h, w_hr), c)
     if kind == "gru":
-        return (_gru_cell(gx, state[0], w["w_hh"], w["b_hh"]),)
-    return (_simple_cell(gx, state[0], w["w_hh"], w["b_hh"], kind == "rnn_relu"),)
+        xr, xz, xn = gx.chunk(3, -1)
+        hr, hz, hn = gh.chunk(3, -1)
+        r = torch.sigmoid(xr + hr)
+        z = torch.sigmoid(xz + hz)
+        n = torch.tanh(xn + r * hn)
+        return (n + z * (state[0] - n),)
+    pre = gx + gh
+    return (torch.relu(pre) if kind == "rnn_relu" else torch.tanh(pre),)
 
 
-def _direction(
-    kind: str, x: torch.Tensor, state: tuple[torch.Tensor, ...], w: dict[str, Any], reverse: bool, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """One direction of one layer over a time-major input ``x`` (T, b, F); ``mask`` (T, b)
-    bool or None. Returns the outputs (T, b, H_out) and the final state."""
-    gx = F.linear(x, w["w_ih"], w["b_ih"])  # all steps in one product: (T, b, gates * H)
-    steps = gx.unbind(0)
-    order = range(len(steps) - 1, -1, -1) if reverse else range(len(steps))
-    keep = mask.unbind(0) if mask is not None else None
-    outs: list[torch.Tensor] = [None] * len(steps)  # type: ignore[list-item]
+def _scan(
+    kind: str, gx: Sequence[torch.Tensor], state: tuple[torch.Tensor, ...], w_hh: torch.Tensor, b_hh: torch.Tensor | None,
+    w_hr: torch.Tensor | None, order: Sequence[int], keep: Sequence[torch.Tensor] | None, extra: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """The recurrence over the steps in ``order``. Returns the outputs and the hidden state
+    *entering* each step (both indexed by time) and the final state. ``extra[t]`` is added to
+    step t's hidden projection."""
+    outs: list[torch.Tensor] = [None] * len(gx)  # type: ignore[list-item]
+    entering: list[torch.Tensor] = [None] * len(gx)  # type: ignore[list-item]
     for t in order:
-        new = _step(kind, steps[t], state, w)
+        entering[t] = state[0]
+        gh = F.linear(state[0], w_hh, b_hh)
+        if extra is not None:
+            gh = gh + extra[t]
+        new = _cell(kind, gx[t], gh, state, w_hr)
         if keep is None:
             state, outs[t] = new, new[0]
         else:
             m = keep[t].unsqueeze(-1)
             state = tuple(torch.where(m, n, s) for n, s in zip(new, state))
             outs[t] = torch.where(m, new[0], torch.zeros_like(new[0]))
+    return outs, entering, state
+
+
+def _direction(
+    kind: str, x: torch.Tensor, state: tuple[torch.Tensor, ...], w: dict[str, Any], reverse: bool, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One direction of one layer over a time-major input ``x`` (T, b, F); ``mask`` (T, b)
+    bool or None. Returns the outputs (T, b, H_out) and the final state.
+
+    The input weights see all steps in one product. The recurrent weights ``w_hh`` enter once
+    per step, so their per-example gradient would be a sum of T rank-one terms accumulated
+    into a materialised ``(P, gates * H, H)`` tensor. When ``w_hh`` is differentiated, the
+    steps use its value only (``w_hh.detach()``), and its gradient flows through one product
+    over all steps, ``Z = linear(H_prev, w_hh)`` with ``H_prev`` the (detached) hidden states
+    entering each step, added to the steps as ``Z_t - Z_t.detach()`` (exactly zero in value;
+    its gradient is step t's gate gradient). ``H_prev`` comes from a first, value-only pass of
+    the same recurrence (the same operations on the same values), so the gradient is unchanged
+    and ``w_hh`` is a linear layer over T positions for the ghost-norm and book-keeping rules
+    (Li et al. 2022; Bu et al. 2023), at the price of a second forward recurrence.
+    """
+    gx = F.linear(x, w["w_ih"], w["b_ih"]).unbind(0)  # all steps in one product
+    order = range(len(gx) - 1, -1, -1) if reverse else range(len(gx))
+    keep = mask.unbind(0) if mask is not None else None
+    w_hh, b_hh, w_hr = w["w_hh"], w["b_hh"], w["w_hr"]
+    extra = None
+    if w_hh.requires_grad and len(gx) > 1:
+        det = [t.detach() for t in gx]
+        _, entering, _ = _scan(
+            kind, det, tuple(s.detach() for s in state), w_hh.detach(),
+            None if b_hh is None else b_hh.detach(), None if w_hr is None else w_hr.detach(), order, keep,
+        )
+        z = F.linear(torch.stack(entering, 0), w_hh)
+        extra = (z - z.detach()).unbind(0)
+        w_hh = w_hh.detach()
+    outs, _, state = _scan(kind, gx, state, w_hh, b_hh, w_hr, order, keep, extra)
     return torch.stack(outs, 0), state
 
 
@@ -266,9 +292,8 @@ class _RecurrentMode(TorchFunctionMode):
         return (out.transpose(0, 1) if batch_first else out, *finals)
 
     def _cell(self, kind: str, x: torch.Tensor, hx: Any, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih=None, b_hh=None):  # noqa: ANN001, ANN202
-        gx = F.linear(x, w_ih, b_ih)
         state = tuple(hx) if kind == "lstm" else (hx,)
-        new = _step(kind, gx, state, {"w_hh": w_hh, "b_hh": b_hh, "w_hr": None})
+        new = _cell(kind, F.linear(x, w_ih, b_ih), F.linear(state[0], w_hh, b_hh), state, None)
         return new if kind == "lstm" else new[0]
 
 
