@@ -86,7 +86,7 @@ class _TimeMajor(nn.Module):
         return self.inner(x.transpose(0, 1), lengths)
 
 
-def _check_against_oracle(model: nn.Module, args: tuple, p: int, backend: str = "aot_eager") -> dict[str, str]:
+def _check_against_oracle(model: nn.Module, args: tuple, p: int, backend: str = "aot_eager", verify: bool = False) -> dict[str, str]:
     _, norms = loop_reference(model, _loss, args, float("inf"))
     c = float(norms.median())  # about half of the examples are clipped
     want, want_norms = loop_reference(model, _loss, args, c)
@@ -96,6 +96,9 @@ def _check_against_oracle(model: nn.Module, args: tuple, p: int, backend: str = 
     torch.testing.assert_close(out.clipped.per_example_norms.double(), want_norms, rtol=1e-5, atol=1e-7)
     for name, g in out.clipped.grads.items():
         torch.testing.assert_close(g.double(), want[name], rtol=1e-5, atol=1e-5 * c, msg=name)
+    if verify:  # the eager reference (vmap) runs recurrent layers and packing the same way
+        report = opake.verify(step, *args, max_removals=2)
+        assert report.matches_reference and report.sensitivity_ok, report
     return dict(out.coverage)
 
 
@@ -115,7 +118,7 @@ def test_packed_recurrent_clipped_sum_matches_microbatch_oracle(name):
     model = _build(3, **kw)
     args = _batch(6, 11, kw["batch_first"])
     net = model if kw["batch_first"] else _TimeMajor(model)
-    coverage = _check_against_oracle(net, args, p=8)
+    coverage = _check_against_oracle(net, args, p=8, verify=name.startswith("rnn_relu"))
     # The recurrent weights enter through one product over all steps, so a linear rule applies.
     hh = [path for k, path in coverage.items() if "weight_hh" in k]
     assert hh and all(path != "materialized" for path in hh), coverage
