@@ -8,8 +8,11 @@ do ("output with shape [1, 8] doesn't match the broadcast shape [6, 1, 8]"); ``n
 traces, but through ``mkldnn_rnn_layer``, which has no batching rule, so vmap unrolls one copy of
 the whole layer per example into the graph. :func:`recurrent_ops` replaces these calls, while it
 is active, by the same recurrences written with out-of-place tensor ops (one ``linear`` over
-all time steps for the input weights, one cell per step for the recurrent weights), which vmap
-and ``make_fx`` handle like any other layer.
+all time steps for the input weights, one cell per step, and the recurrent weights' gradient
+routed through one product over all steps: see :func:`_direction`), which vmap and ``make_fx``
+handle like any other layer. Two generic in-place forms that packing uses are also replaced by
+out-of-place ones with vmap rules (``Tensor.scatter_`` with a tensor source, and
+``index_select``, computed as a ``gather``), so no op is looped over examples.
 
 Packed sequences. Under the per-example transform every example is a batch of one with its own
 length, so the packed layout (``data`` of shape ``(sum of lengths, *)``, ``batch_sizes`` with one
