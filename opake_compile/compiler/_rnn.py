@@ -50,7 +50,7 @@ __all__ = ["recurrent_ops"]
 _METADATA = frozenset(
     {"dim", "ndimension", "size", "shape", "ndim", "dtype", "device", "is_cuda", "layout", "numel",
      "nelement", "requires_grad", "is_floating_point", "is_complex", "element_size", "stride",
-     "is_contiguous", "__len__", "__hash__", "__eq__"}
+     "is_contiguous", "__len__", "__hash__"}
 )
 
 
@@ -230,7 +230,7 @@ class _RecurrentMode(TorchFunctionMode):
         short = name.removesuffix(".__get__").rsplit(".", 1)[-1]
         if short in _METADATA:
             return func(*args, **kwargs)
-        if id(marked) in self._batch_sizes and short == "__getitem__":
+        if id(marked) in self._batch_sizes and short == "__getitem__" and len(args) == 2 and isinstance(args[1], int):
             # nn.RNN reads the batch size as int(batch_sizes[0]): the same for every step here.
             return self._batch_sizes[id(marked)][1]
         if id(marked) in self._packed and short == "to" and args and args[0] is marked:
@@ -285,6 +285,9 @@ class _RecurrentMode(TorchFunctionMode):
             # Packed overload: (data, batch_sizes, hx, params, has_biases, layers, dropout, train, bidir).
             batch_sizes, hx, params, has_biases, layers, dropout, train, bidir = rest
             seq, lengths, mask = self._unpacked(x, batch_sizes)
+            # Padded positions must not reach the arithmetic at all (a NaN there would turn a
+            # zero gradient into NaN): the packed kernel never reads them.
+            seq = torch.where(mask.reshape(*mask.shape, *([1] * (seq.dim() - 2))), seq, torch.zeros_like(seq))
             out, finals = _run(kind, seq, _states(kind, hx), params, has_biases, layers, dropout, train, bidir, mask)
             data = out.reshape(-1, *out.shape[2:])
             self._packed[id(data)] = (data, lengths)
