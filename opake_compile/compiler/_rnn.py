@@ -307,6 +307,7 @@ def _index_select_as_gather(x: torch.Tensor, dim: int, index: torch.Tensor) -> t
     if x.dim() == 0 or index.dim() != 1:
         return torch.index_select(x, dim, index)
     dim = dim % x.dim()
+    index = index.to(torch.int64)  # index_select also takes int32 indices; gather does not
     shape = [index.shape[0] if d == dim else n for d, n in enumerate(x.shape)]
     view = [-1 if d == dim else 1 for d in range(x.dim())]
     return torch.gather(x, dim, index.view(view).expand(shape))
