@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
 __all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
@@ -298,7 +299,7 @@ def trace_per_example_grads(
     mask = torch.zeros(physical_batch_size, dtype=torch.bool)
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
     try:
-        with _model_left_unchanged(model):
+        with _model_left_unchanged(model), recurrent_ops():  # RNN/GRU/LSTM, packed sequences
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves
             )

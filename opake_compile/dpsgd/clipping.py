@@ -224,8 +224,11 @@ def _per_example_outputs(
             )
         return fun(*a)
 
+    from opake_compile.compiler._rnn import recurrent_ops  # noqa: PLC0415 - the compiler imports this module
+
     in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
-    return torch.func.vmap(per_example, in_dims=in_dims, randomness="different")(*args)
+    with recurrent_ops():  # RNN/GRU/LSTM and packed sequences under vmap, as compile_dp traces them
+        return torch.func.vmap(per_example, in_dims=in_dims, randomness="different")(*args)
 
 
 def _zeros_like_tree(tree: Any) -> Any:
