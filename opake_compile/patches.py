@@ -49,8 +49,16 @@ __all__ = ["apply_runtime_patches", "is_runtime_patched", "remove_runtime_patche
 
 # ----------------------------------------------------------------------------- library shims
 def _is_vmapped(t: Any) -> bool:
-    """Whether ``t`` is a tensor batched by an enclosing ``vmap`` (its values are per example)."""
-    return isinstance(t, torch.Tensor) and torch._C._functorch.is_batchedtensor(t)
+    """Whether ``t`` is a tensor batched by an enclosing ``vmap`` (its values are per example),
+    under any number of other functorch wrappers (``grad`` levels)."""
+    ft = torch._C._functorch
+    while isinstance(t, torch.Tensor):
+        if ft.is_batchedtensor(t):
+            return True
+        if not ft.is_functorch_wrapped_tensor(t):
+            return False
+        t = ft.get_unwrapped(t)
+    return False
 
 
 def _cannot_skip_when_batched(original: Callable[..., bool]) -> Callable[..., bool]:
