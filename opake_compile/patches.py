@@ -15,7 +15,10 @@ change is undone when tracing returns or raises):
 2. **In-place masked writes.** ``x[mask] = v`` with a boolean ``mask`` over the leading
    dimensions of ``x`` and a value ``v`` that is one element or one row (Wav2Vec2 zeroes its
    padded frames this way) is rewritten as ``x.copy_(torch.where(mask, v, x))``: the same
-   values, without the data-dependent ``nonzero`` that ``vmap`` cannot batch.
+   values, without the data-dependent ``nonzero`` that ``vmap`` cannot batch. A write of
+   per-example values into a tensor the model creates itself cannot be batched in place; the
+   one such method of transformers' speech models (``_get_feature_vector_attention_mask``) is
+   replaced, on the traced model's instances, by a functional one with the same values.
 3. **LayerDrop** (Fan et al. 2019, "Reducing Transformer Depth on Demand with Structured
    Dropout"). A module with a ``layers`` list and a positive ``config.layerdrop`` (Wav2Vec2,
    HuBERT, WavLM, Data2VecAudio, ... in training mode) draws ``torch.rand([]) < p`` in Python to
@@ -25,6 +28,8 @@ change is undone when tracing returns or raises):
    draw selects layers, not any example's data, and a non-private batch also draws it once for
    all its rows. Each layer's decision is drawn once per step, so a loss that runs the model
    twice drops the same layers in both runs. The probability is read when the loss is traced.
+   SpecAugment in training mode (transformers' ``_mask_hidden_states``) draws its masks with
+   NumPy outside any graph; it is refused by name rather than frozen into the graph.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -37,12 +42,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import inspect
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
+
+from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["apply_runtime_patches", "is_runtime_patched", "remove_runtime_patches", "tracing_patches"]
 
@@ -88,13 +97,19 @@ _SHIMS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]
 _runtime_saved: list[tuple[Any, str, Any]] | None = None
 
 
-def _install_shims() -> list[tuple[Any, str, Any]]:
-    """Install every shim whose target exists; return ``(owner, name, original)`` to restore."""
+def _install_shims(*, import_missing: bool) -> list[tuple[Any, str, Any]]:
+    """Install every shim whose target exists; return ``(owner, name, original)`` to restore.
+    Without ``import_missing`` only modules already imported are patched (tracing a plain
+    torch model must not import transformers)."""
     saved = []
     for module_name, attr, factory in _SHIMS:
-        try:
-            owner = importlib.import_module(module_name)
-        except Exception:  # noqa: BLE001 - an optional library that is absent or broken
+        owner = sys.modules.get(module_name)
+        if owner is None and import_missing:
+            try:
+                owner = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - an optional library that is absent or broken
+                continue
+        if owner is None:
             continue
         original = getattr(owner, attr, None)
         if original is None or getattr(original, "_opake_shim", False):
@@ -114,11 +129,19 @@ def apply_runtime_patches() -> None:
 
     ``compile_dp`` applies them by itself while it traces; call this only to run library
     models under ``vmap`` yourself (for instance with the eager :func:`opake_compile.clipped_grad`
-    and a 2-D ``attention_mask``). Undo with :func:`remove_runtime_patches`.
+    and a 2-D ``attention_mask``). Undo with :func:`remove_runtime_patches`. Library modules
+    that cannot be imported are skipped.
+
+    Example::
+
+        >>> opake.patches.apply_runtime_patches()
+        >>> opake.patches.is_runtime_patched()
+        True
+        >>> opake.patches.remove_runtime_patches()
     """
     global _runtime_saved
     if _runtime_saved is None:
-        _runtime_saved = _install_shims()
+        _runtime_saved = _install_shims(import_missing=True)
 
 
 def remove_runtime_patches() -> None:
@@ -188,8 +211,24 @@ class _LayerDropSite:
     layers: tuple[nn.Module, ...]
 
 
+_DRAWS_LAYERDROP: dict[type, bool] = {}
+
+
+def _draws_layerdrop(cls: type) -> bool:
+    """Whether ``cls.forward`` flips LayerDrop's coin the transformers way
+    (``torch.rand([]) < self.config.layerdrop``), read once per class from its source."""
+    if cls not in _DRAWS_LAYERDROP:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _DRAWS_LAYERDROP[cls] = "torch.rand(" in src and "self.config.layerdrop" in src
+    return _DRAWS_LAYERDROP[cls]
+
+
 def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
-    """Modules in training mode with a ``layers`` list and a positive ``config.layerdrop``."""
+    """Modules in training mode with a ``layers`` list and a positive ``config.layerdrop`` that
+    their ``forward`` draws against."""
     sites = []
     seen: set[int] = set()
     for mod in model.modules():
@@ -198,7 +237,7 @@ def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
         p = getattr(config, "layerdrop", None)
         if not (mod.training and isinstance(layers, nn.ModuleList) and isinstance(p, (int, float))):
             continue
-        if p <= 0 or id(mod) in seen:
+        if p <= 0 or id(mod) in seen or not _draws_layerdrop(type(mod)):
             continue
         seen.add(id(mod))
         sites.append(_LayerDropSite(owner=config, probability=float(p), layers=tuple(layers)))
@@ -278,10 +317,33 @@ def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor
     return get_mask
 
 
+def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """transformers' SpecAugment (``_mask_hidden_states`` in training mode) draws its masks
+    with NumPy on the host from the examples' lengths: under tracing that would either fail or
+    bake one fixed "random" mask into the graph for every step. Refuse it by name."""
+    original = mod._mask_hidden_states
+
+    def mask_hidden_states(hidden_states: torch.Tensor, mask_time_indices: Any = None, attention_mask: Any = None) -> torch.Tensor:
+        config = getattr(mod, "config", None)
+        drawn = (mask_time_indices is None and getattr(config, "mask_time_prob", 0) > 0) or getattr(config, "mask_feature_prob", 0) > 0
+        if mod.training and getattr(config, "apply_spec_augment", True) and drawn:
+            raise UnsupportedOperationError(
+                f"{type(mod).__name__} applies SpecAugment in training mode (config.mask_time_prob="
+                f"{getattr(config, 'mask_time_prob', 0)}, mask_feature_prob={getattr(config, 'mask_feature_prob', 0)}), "
+                "whose masks are drawn with NumPy outside the graph: compile_dp cannot redraw them each step. "
+                "Set config.mask_time_prob = config.mask_feature_prob = 0 (or apply_spec_augment=False), "
+                "or pass mask_time_indices drawn in your data pipeline."
+            )
+        return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+
+    return mask_hidden_states
+
+
 # (method name, the methods it needs, shim factory): methods replaced on the instances of the
 # traced model that have them, as instance attributes, while tracing only.
 _METHOD_SHIMS: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module], Callable[..., Any]]], ...] = (
     ("_get_feature_vector_attention_mask", ("_get_feat_extract_output_lengths",), _feature_vector_attention_mask),
+    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _refuse_host_drawn_spec_augment),
 )
 
 
@@ -314,7 +376,7 @@ def tracing_patches(model: nn.Module, draws: _BatchDraws | None = None) -> Itera
     """
     draws = _BatchDraws() if draws is None else draws
     with contextlib.ExitStack() as stack:
-        saved = _install_shims()
+        saved = _install_shims(import_missing=False)
         stack.callback(_restore, saved)
         stack.enter_context(_layerdrop_in_graph(model, draws))
         stack.enter_context(_method_shims(model))

@@ -293,7 +293,15 @@ def test_patches_are_scoped_to_tracing() -> None:
     with pytest.raises(opake.exceptions.UnsupportedOperationError):
         opake.compile_dp(failing_audio, model=w2v, clipping_norm=1.0, backend="aot_eager")(*_audio_batch())
     assert w2v.config.layerdrop == 0.4
-    assert not any(k in m.__dict__ for m in w2v.modules() for k in ("forward", "_get_feature_vector_attention_mask"))
+    assert not any(k in m.__dict__ for m in w2v.modules() for k in ("forward", "_get_feature_vector_attention_mask", "_mask_hidden_states"))
+
+
+def test_host_drawn_spec_augment_is_refused_by_name() -> None:
+    """SpecAugment's NumPy masks would be frozen into the graph: refused, naming the fix."""
+    model = _wav2vec2(mask_time_prob=0.2, mask_time_length=2).train()
+    step = opake.compile_dp(_audio_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match="mask_time_prob"):
+        step(*_audio_batch())
 
 
 def test_runtime_patches_are_an_explicit_global_opt_in() -> None:
