@@ -296,6 +296,13 @@ def test_patches_are_scoped_to_tracing() -> None:
     assert not any(k in m.__dict__ for m in w2v.modules() for k in ("forward", "_get_feature_vector_attention_mask", "_mask_hidden_states"))
 
 
+def test_verify_runs_its_eager_reference_with_a_two_d_mask() -> None:
+    model, loss, args = CASES["bert"]()
+    step = opake.compile_dp(loss, model=model, clipping_norm=0.3, backend="aot_eager", physical_batch_size=P)
+    report = opake.verify(step, *args, max_removals=1)
+    assert report.matches_reference and report.sensitivity_ok, report
+
+
 def test_host_drawn_spec_augment_is_refused_by_name() -> None:
     """SpecAugment's NumPy masks would be frozen into the graph: refused, naming the fix."""
     model = _wav2vec2(mask_time_prob=0.2, mask_time_length=2).train()
