@@ -168,20 +168,25 @@ def _functional_masked_write(target: torch.Tensor, index: Any, value: Any) -> bo
     if tuple(index.shape) != tuple(target.shape[:k]):
         return False
     trailing = tuple(target.shape[k:])
-    if isinstance(value, (bool, int, float)):
-        value = torch.tensor(value, dtype=target.dtype, device=target.device)
-    if not isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            value = value.reshape(())
+        elif value.dim() > len(trailing) or _broadcast(tuple(value.shape), trailing) != trailing:
+            # One value per selected element: cannot be placed without knowing how many there are.
+            return False
+        value = value.to(target.dtype)
+    elif not isinstance(value, (bool, int, float)):
         return False
-    if value.numel() != 1 and tuple(value.shape[-len(trailing):] if trailing else ()) != trailing:
-        return False
-    if value.numel() != 1 and value.dim() > len(trailing):
-        # One value per selected element: cannot be placed without knowing how many there are.
-        return False
-    if value.numel() == 1:
-        value = value.reshape(())
     cond = index.reshape(index.shape + (1,) * len(trailing))
-    target.copy_(torch.where(cond, value.to(target.dtype), target))
+    target.copy_(torch.where(cond, value, target))
     return True
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
 
 
 class _FunctionalMaskedWrites(TorchFunctionMode):

@@ -207,6 +207,27 @@ def test_in_place_masked_writes_are_traced_functionally() -> None:
     assert float(want["fill"].abs().max()) > 0
 
 
+@pytest.mark.parametrize(
+    "shape, mask_dims, value",
+    [((3, 4), 1, 0), ((3, 4), 1, torch.tensor(2.0)), ((3, 4), 1, torch.arange(4.0)), ((3, 4), 2, -1.5),
+     ((2, 3, 4), 1, torch.ones(3, 4)), ((2, 3, 4), 1, torch.ones(1, 4)), ((3, 4), 1, torch.ones(2, 4))],
+)
+def test_masked_write_rewrite_has_the_values_of_index_put(shape: tuple, mask_dims: int, value: object) -> None:
+    """Eagerly, with and without the rewrite, on each value form (the last is one row per
+    selected element: left to ``index_put_``)."""
+    from opake_compile.patches import _FunctionalMaskedWrites
+
+    x = torch.randn(shape, generator=seeded(9))
+    mask = torch.zeros(shape[:mask_dims], dtype=torch.bool)
+    mask.view(-1)[::2] = True
+    want, got = x.clone(), x.clone()
+    want[mask] = value
+    with _FunctionalMaskedWrites():
+        got[mask] = value
+    assert torch.equal(got, want)
+    assert not torch.equal(want, x)
+
+
 def _skip_layers(model: nn.Module, skipped: tuple[int, ...]) -> None:
     for i in skipped:
         model.wav2vec2.encoder.layers[i].forward = lambda h, *a, **k: h
