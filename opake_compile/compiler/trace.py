@@ -229,6 +229,10 @@ def trace_per_example_grads(
 ) -> TracedGraph:
     """Trace ``vmap(grad(per-example loss))`` over the trainable parameters into ATen FX.
 
+    Tracing runs under :func:`opake_compile.patches.tracing_patches` (undone on return or
+    error): library shortcuts that inspect data take their always-valid branch, in-place masked
+    writes become ``where``, and LayerDrop selects layers in the graph from the batch draws.
+
     Args:
         model: the user's module; its current ``requires_grad`` flags define the trainable
             partition.
