@@ -12,6 +12,7 @@ import torch
 from opake_compile.compiler.passes.numerics import RHO
 from opake_compile.compiler.step import DPStep
 from opake_compile.compiler.trace import _LossModule
+from opake_compile import patches as _patches
 from opake_compile.dpsgd.clipping import clipped_grad
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -126,7 +127,8 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         return torch.func.functional_call(wrapper, state, a)
 
     grad_fn, state = clipped_grad(loss, 0, batch_argnums=tuple(i + 1 for i in batched), clipping_norm=step.clipping_norm)
-    ref, _ = grad_fn(trainable, *args, state=state)
+    with _patches.tracing_patches(model):  # the same adjustments as the compiled trace
+        ref, _ = grad_fn(trainable, *args, state=state)
     diff, scale = 0.0, 0.0
     for k, g in result.clipped.grads.items():
         diff = max(diff, float((g.double() - ref.grads[k].double()).abs().max()))

@@ -318,6 +318,7 @@ class DPStep:
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
         sums: list[torch.Tensor] | None = None
         norms, losses, kept_all = [], [], []
+        draws = self._batch_draws(layout.batch_draws, device)
         for start in range(0, n, p):
             m = min(p, n - start)
             # A batch of exactly P rows is its own single chunk: no slicing, no padding.
@@ -325,7 +326,7 @@ class DPStep:
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
             with torch.no_grad(), self._rng_scope(compiled, device):
-                out = compiled.fn(*state, clip, mask, *leaves)
+                out = compiled.fn(*state, clip, mask, *leaves, *draws)
             loss_c, norm_c, kept_c, *sum_c = out
             losses.append(loss_c[:m])
             norms.append(norm_c[:m])
@@ -350,6 +351,15 @@ class DPStep:
         if t is None:
             t = self._constants[key] = make()
         return t
+
+    def _batch_draws(self, count: int, device: torch.device) -> list[torch.Tensor]:
+        """The uniform draws shared by every chunk of one logical batch (LayerDrop decisions,
+        see :mod:`opake_compile.patches`), from the step's key; ``[]`` when the graph has none."""
+        if not count:
+            return []
+        self._key, draw = _random.split(self._key, 2)
+        u = torch.rand(count, generator=_random.generator_from_key(draw), dtype=torch.float32)
+        return [u.to(device)]
 
     def _rng_scope(self, compiled: _Compiled, device: torch.device) -> contextlib.AbstractContextManager:
         """Random ops in the loss (dropout) draw from a seed derived from the step's key, in a

@@ -10,7 +10,11 @@ ATen-level FX graph with ``make_fx`` in fake mode (no real computation happens).
 The traced graph has flat tensor inputs, in this order (see :class:`InputLayout`)::
 
     trainable params | frozen params and buffers | clipping_norm (0-d) | mask (P,) bool
-    | batched argument leaves (P, ...) | broadcast tensor leaves
+    | batched argument leaves (P, ...) | broadcast tensor leaves | [batch draws (D,)]
+
+(the batch draws, uniform on [0, 1) and drawn once per logical batch, exist only for models
+with LayerDrop in training mode; see :mod:`opake_compile.patches`, which also lists what else
+is adjusted while tracing: data-inspecting shortcuts, in-place masked writes)
 
 and returns ``(per_example_losses (P,), G_1 (P, *shape_1), ..., G_k (P, *shape_k))``: one
 materialised per-example gradient per trainable parameter. The pass stage
@@ -31,6 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opake_compile import patches as _patches
 from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
@@ -48,6 +53,9 @@ class InputLayout:
     leaf_kinds: tuple[str, ...]  # per args leaf: "batched" | "broadcast" | "const"
     const_leaves: tuple[Any, ...]  # the non-tensor leaves, baked into the graph
     physical_batch_size: int
+    # Uniform draws shared by the whole logical batch (LayerDrop; see opake_compile.patches):
+    # a last graph input of shape (batch_draws,), present only when batch_draws > 0.
+    batch_draws: int = 0
 
     @property
     def num_leading(self) -> int:
@@ -222,6 +230,10 @@ def trace_per_example_grads(
 ) -> TracedGraph:
     """Trace ``vmap(grad(per-example loss))`` over the trainable parameters into ATen FX.
 
+    Tracing runs under :func:`opake_compile.patches.tracing_patches` (undone on return or
+    error): library shortcuts that inspect data take their always-valid branch, in-place masked
+    writes become ``where``, and LayerDrop selects layers in the graph from the batch draws.
+
     Args:
         model: the user's module; its current ``requires_grad`` flags define the trainable
             partition.
@@ -247,6 +259,7 @@ def trace_per_example_grads(
 
     leaves, treedef, kinds, _ = _split_args(args, batched_positions)
     const_leaves = tuple(l for l, k in zip(leaves, kinds) if k == "const")
+    n_draws = _patches.count_batch_draws(model)
     layout = InputLayout(
         trainable=trainable,
         others=others,
@@ -255,7 +268,9 @@ def trace_per_example_grads(
         leaf_kinds=tuple(kinds),
         const_leaves=const_leaves,
         physical_batch_size=physical_batch_size,
+        batch_draws=n_draws,
     )
+    draws = _patches._BatchDraws()
     wrapper = _LossModule(model, loss_fn)
     n_tr, n_ot = len(trainable), len(others)
     tensor_kinds = [k for k in kinds if k != "const"]
@@ -288,7 +303,8 @@ def trace_per_example_grads(
     def graph_fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         train = dict(zip(trainable, flat[:n_tr]))
         other_vals = flat[n_tr : n_tr + n_ot]
-        tensor_leaves = flat[n_tr + n_ot + 2 :]
+        tensor_leaves = flat[n_tr + n_ot + 2 : len(flat) - (1 if n_draws else 0)]
+        draws.values = flat[-1] if n_draws else None
         grads, losses = per_example(train, other_vals, *tensor_leaves)
         return (losses, *[grads[n] for n in trainable])
 
@@ -298,10 +314,12 @@ def trace_per_example_grads(
     clip = torch.zeros((), dtype=torch.float64)
     mask = torch.zeros(physical_batch_size, dtype=torch.bool)
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
+    extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
     try:
-        with _model_left_unchanged(model), recurrent_ops():  # RNN/GRU/LSTM, packed sequences
+        # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop.
+        with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws):
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                *state_tensors, clip, mask, *tensor_leaves
+                *state_tensors, clip, mask, *tensor_leaves, *extra
             )
     except UnsupportedOperationError:
         raise

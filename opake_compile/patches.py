@@ -1,0 +1,403 @@
+"""What ``compile_dp`` changes while it traces a loss, and the explicit global opt-in.
+
+The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
+sometimes looks at tensor values in Python, which a static per-example graph cannot do. Three
+patterns are handled while :func:`~opake_compile.compile_dp` traces, and only then (every
+change is undone when tracing returns or raises):
+
+1. **Shortcuts that inspect data.** Code that checks a tensor's values to skip work that would
+   not change the result (transformers 5 skips building the attention mask when
+   ``attention_mask.all()``) is told that a graph is being compiled
+   (``torch.compiler.is_compiling()`` is true while tracing, as under ``torch.export``), so it
+   takes the branch that is valid for every value. The few library functions that do not
+   consult that flag are shimmed (the *runtime patches* below) to answer "cannot skip" when
+   the tensor they would inspect is batched by ``vmap``.
+2. **In-place masked writes.** ``x[mask] = v`` with a boolean ``mask`` over the leading
+   dimensions of ``x`` and a value ``v`` that is one element or one row (Wav2Vec2 zeroes its
+   padded frames this way) is rewritten as ``x.copy_(torch.where(mask, v, x))``: the same
+   values, without the data-dependent ``nonzero`` that ``vmap`` cannot batch. A write of
+   per-example values into a tensor the model creates itself cannot be batched in place; the
+   one such method of transformers' speech models (``_get_feature_vector_attention_mask``) is
+   replaced, on the traced model's instances, by a functional one with the same values.
+3. **LayerDrop** (Fan et al. 2019, "Reducing Transformer Depth on Demand with Structured
+   Dropout"). A module with a ``layers`` list and a positive ``config.layerdrop`` (Wav2Vec2,
+   HuBERT, WavLM, Data2VecAudio, ... in training mode) draws ``torch.rand([]) < p`` in Python to
+   skip a layer. While tracing, that branch is switched off and every layer's output becomes
+   ``where(u_i >= p, layer(h), h)``, where ``u`` is a graph input drawn **once per logical
+   batch** from the step's key. This is a documented exception to per-example randomness: the
+   draw selects layers, not any example's data, and a non-private batch also draws it once for
+   all its rows. Each layer's decision is drawn once per step, so a loss that runs the model
+   twice drops the same layers in both runs. The probability is read when the loss is traced.
+   SpecAugment in training mode (transformers' ``_mask_hidden_states``) draws its masks with
+   NumPy outside any graph; it is refused by name rather than frozen into the graph.
+
+``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
+when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
+:func:`opake_compile.clipped_grad`); ``is_runtime_patched()`` says whether they are installed;
+``remove_runtime_patches()`` restores the originals. Nothing is patched globally otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from opake_compile.exceptions import UnsupportedOperationError
+
+__all__ = ["apply_runtime_patches", "is_runtime_patched", "remove_runtime_patches", "tracing_patches"]
+
+
+# ----------------------------------------------------------------------------- library shims
+def _is_vmapped(t: Any) -> bool:
+    """Whether ``t`` is a tensor batched by an enclosing ``vmap`` (its values are per example),
+    under any number of other functorch wrappers (``grad`` levels)."""
+    ft = torch._C._functorch
+    while isinstance(t, torch.Tensor):
+        if ft.is_batchedtensor(t):
+            return True
+        if not ft.is_functorch_wrapped_tensor(t):
+            return False
+        t = ft.get_unwrapped(t)
+    return False
+
+
+def _cannot_skip_when_batched(original: Callable[..., bool]) -> Callable[..., bool]:
+    """Wrap a transformers "can the mask be skipped?" predicate: with a padding mask that is
+    batched by ``vmap`` the answer depends on each example's values, which a traced graph
+    cannot branch on; answering ``False`` (build the explicit mask) is right for every value."""
+
+    def predicate(padding_mask: Any = None, *args: Any, **kwargs: Any) -> bool:
+        if _is_vmapped(padding_mask):
+            return False
+        return original(padding_mask, *args, **kwargs)
+
+    predicate.__wrapped__ = original  # type: ignore[attr-defined]
+    predicate.__name__ = getattr(original, "__name__", "predicate")
+    predicate.__doc__ = getattr(original, "__doc__", None)
+    predicate._opake_shim = True  # type: ignore[attr-defined]
+    return predicate
+
+
+# (module, attribute, wrapper factory): library functions whose behaviour depends on tensor
+# values in a way that only shortcuts work. Missing modules or attributes are skipped.
+_SHIMS: tuple[tuple[str, str, Callable[[Callable[..., Any]], Callable[..., Any]]], ...] = (
+    ("transformers.masking_utils", "_ignore_bidirectional_mask_sdpa", _cannot_skip_when_batched),
+    ("transformers.masking_utils", "_ignore_causal_mask_sdpa", _cannot_skip_when_batched),
+)
+
+_runtime_saved: list[tuple[Any, str, Any]] | None = None
+
+
+def _install_shims(*, import_missing: bool) -> list[tuple[Any, str, Any]]:
+    """Install every shim whose target exists; return ``(owner, name, original)`` to restore.
+    Without ``import_missing`` only modules already imported are patched (tracing a plain
+    torch model must not import transformers)."""
+    saved = []
+    for module_name, attr, factory in _SHIMS:
+        owner = sys.modules.get(module_name)
+        if owner is None and import_missing:
+            try:
+                owner = importlib.import_module(module_name)
+            except Exception:  # noqa: BLE001 - an optional library that is absent or broken
+                continue
+        if owner is None:
+            continue
+        original = getattr(owner, attr, None)
+        if original is None or getattr(original, "_opake_shim", False):
+            continue
+        saved.append((owner, attr, original))
+        setattr(owner, attr, factory(original))
+    return saved
+
+
+def _restore(saved: list[tuple[Any, str, Any]]) -> None:
+    for owner, attr, original in reversed(saved):
+        setattr(owner, attr, original)
+
+
+def apply_runtime_patches() -> None:
+    """Install the library shims for the whole process (idempotent).
+
+    ``compile_dp`` applies them by itself while it traces; call this only to run library
+    models under ``vmap`` yourself (for instance with the eager :func:`opake_compile.clipped_grad`
+    and a 2-D ``attention_mask``). Undo with :func:`remove_runtime_patches`. Library modules
+    that cannot be imported are skipped.
+
+    Example::
+
+        >>> opake.patches.apply_runtime_patches()
+        >>> opake.patches.is_runtime_patched()
+        True
+        >>> opake.patches.remove_runtime_patches()
+    """
+    global _runtime_saved
+    if _runtime_saved is None:
+        _runtime_saved = _install_shims(import_missing=True)
+
+
+def remove_runtime_patches() -> None:
+    """Restore the library functions that :func:`apply_runtime_patches` replaced."""
+    global _runtime_saved
+    if _runtime_saved is not None:
+        _restore(_runtime_saved)
+        _runtime_saved = None
+
+
+def is_runtime_patched() -> bool:
+    """Whether :func:`apply_runtime_patches` installed the shims (and they were not removed)."""
+    return _runtime_saved is not None
+
+
+# ----------------------------------------------------------------------------- masked writes
+def _functional_masked_write(target: torch.Tensor, index: Any, value: Any) -> bool:
+    """``target[index] = value`` as ``target.copy_(where(index, value, target))`` when ``index``
+    is a boolean mask over leading dimensions and ``value`` is one element or one trailing row;
+    returns whether it was rewritten."""
+    if not (isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.dim() >= 1):
+        return False
+    k = index.dim()
+    if tuple(index.shape) != tuple(target.shape[:k]):
+        return False
+    trailing = tuple(target.shape[k:])
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            value = value.reshape(())
+        elif value.dim() > len(trailing) or _broadcast(tuple(value.shape), trailing) != trailing:
+            # One value per selected element: cannot be placed without knowing how many there are.
+            return False
+        value = value.to(target.dtype)
+    elif not isinstance(value, (bool, int, float)):
+        return False
+    cond = index.reshape(index.shape + (1,) * len(trailing))
+    target.copy_(torch.where(cond, value, target))
+    return True
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
+
+
+class _FunctionalMaskedWrites(TorchFunctionMode):
+    """Rewrites ``x[bool_mask] = v`` functionally (see the module docstring, item 2)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.Tensor.__setitem__ and len(args) == 3 and not kwargs:
+            if _functional_masked_write(*args):
+                return None
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- LayerDrop
+@dataclasses.dataclass
+class _BatchDraws:
+    """The per-logical-batch uniform draws (a graph input of shape ``(count,)``)."""
+
+    count: int = 0
+    values: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerDropSite:
+    owner: Any  # the config object holding ``layerdrop``
+    probability: float
+    layers: tuple[nn.Module, ...]
+
+
+_DRAWS_LAYERDROP: dict[type, bool] = {}
+
+
+def _draws_layerdrop(cls: type) -> bool:
+    """Whether ``cls.forward`` flips LayerDrop's coin the transformers way
+    (``torch.rand([]) < self.config.layerdrop``), read once per class from its source."""
+    if cls not in _DRAWS_LAYERDROP:
+        try:
+            src = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            src = ""
+        _DRAWS_LAYERDROP[cls] = "torch.rand(" in src and "self.config.layerdrop" in src
+    return _DRAWS_LAYERDROP[cls]
+
+
+def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
+    """Modules in training mode with a ``layers`` list and a positive ``config.layerdrop`` that
+    their ``forward`` draws against."""
+    sites = []
+    seen: set[int] = set()
+    for mod in model.modules():
+        layers = getattr(mod, "layers", None)
+        config = getattr(mod, "config", None)
+        p = getattr(config, "layerdrop", None)
+        if not (mod.training and isinstance(layers, nn.ModuleList) and isinstance(p, (int, float))):
+            continue
+        if p <= 0 or id(mod) in seen or not _draws_layerdrop(type(mod)):
+            continue
+        seen.add(id(mod))
+        sites.append(_LayerDropSite(owner=config, probability=float(p), layers=tuple(layers)))
+    return sites
+
+
+def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float) -> Callable[..., Any]:
+    forward = layer.forward
+
+    def gated(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = forward(hidden_states, *args, **kwargs)
+        u = draws.values
+        if u is None:  # not inside the traced step (no draws): run the layer as built
+            return out
+        keep = u[slot] >= p
+        if isinstance(out, torch.Tensor):
+            return torch.where(keep, out, hidden_states)
+        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+            return (torch.where(keep, out[0], hidden_states), *out[1:])
+        raise TypeError(f"LayerDrop: unexpected output type {type(out).__name__} of {type(layer).__name__}")
+
+    return gated
+
+
+@contextlib.contextmanager
+def _layerdrop_in_graph(model: nn.Module, draws: _BatchDraws) -> Iterator[None]:
+    sites = _layerdrop_sites(model)
+    saved_p: list[tuple[Any, float]] = []
+    gated: list[tuple[nn.Module, Any]] = []
+    try:
+        slot = 0
+        for site in sites:
+            for layer in site.layers:
+                gated.append((layer, layer.__dict__.get("forward", _NO_ATTR)))
+                layer.forward = _gated_forward(layer, draws, slot, site.probability)
+                slot += 1
+        for site in sites:
+            if not any(owner is site.owner for owner, _ in saved_p):
+                saved_p.append((site.owner, site.owner.layerdrop))
+                site.owner.layerdrop = 0.0
+        draws.count = slot
+        yield
+    finally:
+        for owner, p in saved_p:
+            owner.layerdrop = p
+        for layer, before in reversed(gated):
+            if before is _NO_ATTR:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = before
+
+
+_NO_ATTR = object()
+
+
+def count_batch_draws(model: nn.Module) -> int:
+    """How many per-logical-batch uniform draws tracing ``model`` needs (one per LayerDrop
+    layer in training mode)."""
+    return sum(len(s.layers) for s in _layerdrop_sites(model))
+
+
+# ----------------------------------------------------------------------------- method shims
+def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """A functional ``_get_feature_vector_attention_mask`` for the speech models of transformers
+    (Wav2Vec2 and its copies): theirs writes ones into a fresh ``zeros`` tensor at per-example
+    indices, which ``vmap`` cannot do (the fresh tensor is not batched, the indices are). Same
+    values: position ``t`` is attended iff ``t <= (length - 1) mod T`` (a length of 0 writes
+    the last position there, so every position is attended, and so here)."""
+
+    def get_mask(feature_vector_length: int, attention_mask: torch.Tensor, add_adapter: Any = None) -> torch.Tensor:
+        lengths = attention_mask.cumsum(dim=-1)[:, -1]
+        lengths = mod._get_feat_extract_output_lengths(lengths, add_adapter=add_adapter).to(torch.long)
+        last = torch.remainder(lengths - 1, feature_vector_length)
+        positions = torch.arange(feature_vector_length, device=attention_mask.device)
+        return positions[None, :] <= last[:, None]
+
+    return get_mask
+
+
+def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """transformers' SpecAugment (``_mask_hidden_states`` in training mode) draws its masks
+    with NumPy on the host from the examples' lengths: under tracing that would either fail or
+    bake one fixed "random" mask into the graph for every step. Refuse it by name."""
+    original = mod._mask_hidden_states
+
+    def mask_hidden_states(hidden_states: torch.Tensor, mask_time_indices: Any = None, attention_mask: Any = None) -> torch.Tensor:
+        config = getattr(mod, "config", None)
+        drawn = (mask_time_indices is None and getattr(config, "mask_time_prob", 0) > 0) or getattr(config, "mask_feature_prob", 0) > 0
+        if mod.training and getattr(config, "apply_spec_augment", True) and drawn:
+            raise UnsupportedOperationError(
+                f"{type(mod).__name__} applies SpecAugment in training mode (config.mask_time_prob="
+                f"{getattr(config, 'mask_time_prob', 0)}, mask_feature_prob={getattr(config, 'mask_feature_prob', 0)}), "
+                "whose masks are drawn with NumPy outside the graph: compile_dp cannot redraw them each step. "
+                "Set config.mask_time_prob = config.mask_feature_prob = 0 (or apply_spec_augment=False), "
+                "or pass mask_time_indices drawn in your data pipeline."
+            )
+        return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+
+    return mask_hidden_states
+
+
+# (method name, the methods it needs, shim factory): methods replaced on the instances of the
+# traced model that have them, as instance attributes, while tracing only.
+_METHOD_SHIMS: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module], Callable[..., Any]]], ...] = (
+    ("_get_feature_vector_attention_mask", ("_get_feat_extract_output_lengths",), _feature_vector_attention_mask),
+    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _refuse_host_drawn_spec_augment),
+)
+
+
+@contextlib.contextmanager
+def _method_shims(model: nn.Module) -> Iterator[None]:
+    done: list[tuple[nn.Module, str, Any]] = []
+    try:
+        for mod in model.modules():
+            for name, needs, factory in _METHOD_SHIMS:
+                if callable(getattr(mod, name, None)) and all(callable(getattr(mod, n, None)) for n in needs):
+                    done.append((mod, name, mod.__dict__.get(name, _NO_ATTR)))
+                    setattr(mod, name, factory(mod))
+        yield
+    finally:
+        for mod, name, before in reversed(done):
+            if before is _NO_ATTR:
+                mod.__dict__.pop(name, None)
+            else:
+                mod.__dict__[name] = before
+
+
+# ----------------------------------------------------------------------------- the scope
+@contextlib.contextmanager
+def tracing_patches(model: nn.Module, draws: _BatchDraws | None = None) -> Iterator[_BatchDraws]:
+    """Everything :func:`~opake_compile.compile_dp` changes while tracing ``model`` (see the
+    module docstring), undone on exit whether tracing returned or raised.
+
+    Yields the :class:`_BatchDraws` holder: set ``values`` to the graph input of shape
+    ``(count,)`` (uniform on [0, 1), drawn once per logical batch) before the model runs.
+    """
+    draws = _BatchDraws() if draws is None else draws
+    with contextlib.ExitStack() as stack:
+        saved = _install_shims(import_missing=False)
+        stack.callback(_restore, saved)
+        stack.enter_context(_layerdrop_in_graph(model, draws))
+        stack.enter_context(_method_shims(model))
+        stack.enter_context(_compiling_flag())
+        stack.enter_context(_FunctionalMaskedWrites())
+        yield draws
+
+
+@contextlib.contextmanager
+def _compiling_flag() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` is true inside (as under ``torch.export``'s tracing)."""
+    import torch.compiler as tc
+
+    old = tc._is_compiling_flag
+    tc._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        tc._is_compiling_flag = old

@@ -1,0 +1,352 @@
+"""Hugging Face models with 2-D padding masks, masked writes and LayerDrop under ``compile_dp``.
+
+Every model is built from a small ``transformers`` config (no download) and gets a 2-D
+``attention_mask`` with real padding. In eval mode the compiled clipped sum must equal the
+microbatch oracle (each example alone at batch size one, plain autograd, clip, sum). In training
+mode (dropout and LayerDrop on) the step must run and be reproducible from its key, and LayerDrop
+must drop the same layers for every example of a logical batch. Attention is the eager one
+(``attn_implementation="eager"``): batching SDPA is another item of the same issue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opake_compile as opake
+from _models import loop_reference, seeded
+
+transformers = pytest.importorskip("transformers")
+
+B, T = 5, 7
+P = 3  # two chunks for B = 5: each logical batch spans chunks
+
+
+def _padding_mask(b: int, t: int, lengths: list[int]) -> torch.Tensor:
+    mask = torch.zeros(b, t, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return mask
+
+
+def _ids(b: int, t: int, vocab: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (b, t), generator=seeded(seed))
+
+
+def _build(fn):  # noqa: ANN001, ANN202
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return fn()
+
+
+def _enc_kwargs() -> dict:
+    return dict(
+        vocab_size=40, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=24, num_labels=3, attn_implementation="eager",
+    )
+
+
+def _cls_loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(input_ids=ids, attention_mask=mask).logits, y)
+
+
+def _bert():  # noqa: ANN202
+    return transformers.BertForSequenceClassification(transformers.BertConfig(**_enc_kwargs()))
+
+
+def _roberta():  # noqa: ANN202
+    return transformers.RobertaForSequenceClassification(transformers.RobertaConfig(pad_token_id=1, **_enc_kwargs()))
+
+
+def _distilbert():  # noqa: ANN202
+    cfg = transformers.DistilBertConfig(
+        vocab_size=40, dim=8, n_layers=1, n_heads=2, hidden_dim=16, max_position_embeddings=24, num_labels=3,
+        attn_implementation="eager",
+    )
+    return transformers.DistilBertForSequenceClassification(cfg)
+
+
+def _lora_bert():  # noqa: ANN202
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, target_modules=["query", "value"])
+    return peft.get_peft_model(_bert(), cfg)
+
+
+def _classifier_case(make):  # noqa: ANN001, ANN202
+    def case():  # noqa: ANN202
+        model = _build(make).eval()
+        ids = _ids(B, T, 40, 1)
+        mask = _padding_mask(B, T, [7, 3, 5, 1, 6])
+        y = torch.randint(0, 3, (B,), generator=seeded(2))
+        return model, _cls_loss, (ids, mask, y)
+
+    return case
+
+
+def _t5_case():  # noqa: ANN202
+    cfg = transformers.T5Config(
+        vocab_size=40, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, attn_implementation="eager",
+    )
+    model = _build(lambda: transformers.T5ForConditionalGeneration(cfg)).eval()
+    ids = _ids(B, T, 40, 3)
+    mask = _padding_mask(B, T, [7, 2, 4, 6, 5])
+    labels = _ids(B, 4, 40, 4)
+    dmask = _padding_mask(B, 4, [4, 3, 2, 4, 1])
+
+    def loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, dmask: torch.Tensor) -> torch.Tensor:
+        return m(input_ids=ids, attention_mask=mask, labels=labels, decoder_attention_mask=dmask).loss
+
+    return model, loss, (ids, mask, labels, dmask)
+
+
+def _wav2vec2(**overrides):  # noqa: ANN003, ANN202
+    kw = dict(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        conv_dim=(4, 4), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, num_labels=3, classifier_proj_size=4, mask_time_prob=0.0,
+        attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return _build(lambda: transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(**kw)))
+
+
+def _audio_batch(seed: int = 5) -> tuple:
+    x = torch.randn(B, 120, generator=seeded(seed))
+    mask = _padding_mask(B, 120, [120, 50, 90, 30, 110])
+    y = torch.randint(0, 3, (B,), generator=seeded(seed + 1))
+    return x, mask, y
+
+
+def _audio_loss(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(m(input_values=x, attention_mask=mask).logits, y)
+
+
+def _wav2vec2_case():  # noqa: ANN202
+    return _wav2vec2().eval(), _audio_loss, _audio_batch()
+
+
+CASES = {
+    "bert": _classifier_case(_bert),
+    "distilbert": _classifier_case(_distilbert),
+    "roberta": _classifier_case(_roberta),
+    "t5": _t5_case,
+    "lora_bert": _classifier_case(_lora_bert),
+    "wav2vec2": _wav2vec2_case,
+}
+
+
+def _compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rel: float = 1e-5) -> None:
+    assert set(got) == set(want)
+    scale = max(float(w.double().abs().max()) for w in want.values())
+    assert scale > 0
+    for k in want:
+        diff = float((got[k].double() - want[k].double()).abs().max())
+        assert diff <= rel * scale, f"{k}: max |diff| {diff:.3g} > {rel:g} * {scale:.3g}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_d_padding_mask_matches_microbatch_oracle(name: str) -> None:
+    from transformers import masking_utils
+
+    shims = {n: getattr(masking_utils, n) for n in ("_ignore_bidirectional_mask_sdpa", "_ignore_causal_mask_sdpa")}
+    model, loss, args = CASES[name]()
+    _, norms = loop_reference(model, loss, args, 1e6)
+    assert bool((norms > 0).all())
+    c = float(norms.median())  # about half the examples clipped
+    want, _ = loop_reference(model, loss, args, c)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = opake.compile_dp(loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=P)
+    got = step(*args)
+    _compare(got.clipped.grads, want)
+    assert torch.allclose(got.clipped.per_example_norms.double(), norms, rtol=1e-5)
+    # The mask reaches the model: without it (all ones, same graph) the result differs.
+    unmasked = step(args[0], torch.ones_like(args[1]), *args[2:]).clipped.grads
+    assert not _close(unmasked, want)
+    # Tracing changed nothing outside: model, library functions, torch's compiling flag.
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(getattr(masking_utils, n) is f for n, f in shims.items())
+    assert not torch.compiler.is_compiling()
+    assert not any(k in m.__dict__ for m in model.modules() for k in ("forward", "_get_feature_vector_attention_mask"))
+    if name in ("bert", "wav2vec2"):  # verify's eager reference runs with the same adjustments
+        report = opake.verify(step, *args, max_removals=1)
+        assert report.matches_reference and report.sensitivity_ok, report
+
+
+class _MaskedWrite(nn.Module):
+    """Plain torch: zero padded positions in place, ``h[~mask] = 0`` and ``h[mask] = row``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.fill = nn.Parameter(torch.randn(4))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h[~mask.bool()] = 0
+        h[(x[..., 0] > 1.0)] = self.fill
+        return self.out(h).sum(1)
+
+
+def test_in_place_masked_writes_are_traced_functionally() -> None:
+    model = _build(_MaskedWrite)
+    x = torch.randn(B, T, 3, generator=seeded(7))
+    mask = _padding_mask(B, T, [7, 3, 5, 1, 6])
+    y = torch.randint(0, 2, (B,), generator=seeded(8))
+
+    def loss(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(x, mask), y)
+
+    want, _ = loop_reference(model, loss, (x, mask, y), 0.5)
+    step = opake.compile_dp(loss, model=model, clipping_norm=0.5, backend="aot_eager", physical_batch_size=P)
+    _compare(step(x, mask, y).clipped.grads, want)
+    assert float(want["fill"].abs().max()) > 0
+
+
+@pytest.mark.parametrize(
+    "shape, mask_dims, value",
+    [((3, 4), 1, 0), ((3, 4), 1, torch.tensor(2.0)), ((3, 4), 1, torch.arange(4.0)), ((3, 4), 2, -1.5),
+     ((2, 3, 4), 1, torch.ones(3, 4)), ((2, 3, 4), 1, torch.ones(1, 4)), ((3, 4), 1, torch.ones(2, 4))],
+)
+def test_masked_write_rewrite_has_the_values_of_index_put(shape: tuple, mask_dims: int, value: object) -> None:
+    """Eagerly, with and without the rewrite, on each value form (the last is one row per
+    selected element: left to ``index_put_``)."""
+    from opake_compile.patches import _FunctionalMaskedWrites
+
+    x = torch.randn(shape, generator=seeded(9))
+    mask = torch.zeros(shape[:mask_dims], dtype=torch.bool)
+    mask.view(-1)[::2] = True
+    want, got = x.clone(), x.clone()
+    want[mask] = value
+    with _FunctionalMaskedWrites():
+        got[mask] = value
+    assert torch.equal(got, want)
+    assert not torch.equal(want, x)
+
+
+def _skip_layers(model: nn.Module, skipped: tuple[int, ...]) -> None:
+    for i in skipped:
+        model.wav2vec2.encoder.layers[i].forward = lambda h, *a, **k: h
+
+
+def test_layerdrop_is_drawn_once_per_logical_batch() -> None:
+    """Training mode, LayerDrop 0.5, no other randomness: every call equals the microbatch oracle
+    for one set of dropped layers, the same for all examples of the batch (which spans chunks)."""
+    zero = dict(num_hidden_layers=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0)
+    model = _wav2vec2(layerdrop=0.5, **zero).train()
+    args = _audio_batch()
+    c = 0.05
+    oracles = {}
+    for skipped in itertools.chain.from_iterable(itertools.combinations(range(2), r) for r in range(3)):
+        ref = _wav2vec2(layerdrop=0.0, **zero).train()
+        _skip_layers(ref, skipped)
+        oracles[skipped] = loop_reference(ref, _audio_loss, args, c)[0]
+    step = opake.compile_dp(
+        _audio_loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
+    )
+    seen = set()
+    for _ in range(4):
+        got = step(*args).clipped.grads
+        match = [s for s, want in oracles.items() if _close(got, want)]
+        assert len(match) == 1, "the result matches no single set of dropped layers"
+        seen.add(match[0])
+    assert len(seen) >= 2  # the decisions are redrawn each step (fixed key: deterministic)
+    assert model.config.layerdrop == 0.5
+    assert all("forward" not in layer.__dict__ for layer in model.wav2vec2.encoder.layers)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    try:
+        _compare(got, want)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_wav2vec2_training_mode_runs_and_is_reproducible() -> None:
+    """Dropout and LayerDrop on, 2-D mask: runs, finite, and the step replays its draws from a
+    saved state (its key) exactly, while consecutive steps draw anew."""
+    model = _wav2vec2(layerdrop=0.3, hidden_dropout=0.1, attention_dropout=0.1, feat_proj_dropout=0.1).train()
+    step = opake.compile_dp(
+        _audio_loss, model=model, clipping_norm=0.1, backend="aot_eager", physical_batch_size=P,
+        key=opake.random.key(11),
+    )
+    args = _audio_batch()
+    saved = step.state_dict()
+    first = [step(*args).clipped.grads for _ in range(2)]
+    step.load_state_dict(saved)
+    again = [step(*args).clipped.grads for _ in range(2)]
+    for a, b in zip(first, again):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert all(bool(torch.isfinite(v).all()) for v in a.values())
+    assert any(not torch.equal(first[0][k], first[1][k]) for k in first[0])
+    assert step.num_traces == 1
+
+
+# ----------------------------------------------------------------------------- patch scope
+def test_patches_are_scoped_to_tracing() -> None:
+    from transformers import masking_utils
+
+    originals = {n: getattr(masking_utils, n) for n in ("_ignore_bidirectional_mask_sdpa", "_ignore_causal_mask_sdpa")}
+    assert not opake.patches.is_runtime_patched()
+    model, loss, args = CASES["bert"]()
+    seen_inside = []
+
+    def failing(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        seen_inside.append((torch.compiler.is_compiling(), masking_utils._ignore_bidirectional_mask_sdpa))
+        raise RuntimeError("boom")
+
+    bad = opake.compile_dp(failing, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError):
+        bad(*args)
+    assert seen_inside and seen_inside[0][0] and seen_inside[0][1] is not originals["_ignore_bidirectional_mask_sdpa"]
+    for n, f in originals.items():
+        assert getattr(masking_utils, n) is f
+    assert not torch.compiler.is_compiling()
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert not opake.patches.is_runtime_patched()
+    w2v = _wav2vec2(layerdrop=0.4).train()
+    failing_audio = lambda m, x, mask, y: (_ for _ in ()).throw(RuntimeError("boom"))  # noqa: E731
+    with pytest.raises(opake.exceptions.UnsupportedOperationError):
+        opake.compile_dp(failing_audio, model=w2v, clipping_norm=1.0, backend="aot_eager")(*_audio_batch())
+    assert w2v.config.layerdrop == 0.4
+    assert not any(k in m.__dict__ for m in w2v.modules() for k in ("forward", "_get_feature_vector_attention_mask", "_mask_hidden_states"))
+
+
+def test_host_drawn_spec_augment_is_refused_by_name() -> None:
+    """SpecAugment's NumPy masks would be frozen into the graph: refused, naming the fix."""
+    model = _wav2vec2(mask_time_prob=0.2, mask_time_length=2).train()
+    step = opake.compile_dp(_audio_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match="mask_time_prob"):
+        step(*_audio_batch())
+
+
+def test_runtime_patches_are_an_explicit_global_opt_in() -> None:
+    """``apply_runtime_patches`` makes the eager ``vmap`` reference work with a 2-D mask;
+    ``remove_runtime_patches`` restores the library."""
+    from transformers import masking_utils
+
+    original = masking_utils._ignore_bidirectional_mask_sdpa
+    model, loss, args = CASES["bert"]()
+    from _models import reference_clipped
+
+    try:
+        opake.patches.apply_runtime_patches()
+        opake.patches.apply_runtime_patches()  # idempotent
+        assert opake.patches.is_runtime_patched()
+        assert masking_utils._ignore_bidirectional_mask_sdpa is not original
+        got = reference_clipped(model, loss, args, 0.3)
+    finally:
+        opake.patches.remove_runtime_patches()
+    assert not opake.patches.is_runtime_patched()
+    assert masking_utils._ignore_bidirectional_mask_sdpa is original
+    want, _ = loop_reference(model, loss, args, 0.3)
+    _compare({k: v for k, v in got.grads.items()}, want)
+    assert math.isfinite(float(got.per_example_norms.sum()))
