@@ -31,6 +31,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
 __all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
@@ -288,7 +289,8 @@ def trace_per_example_grads(
         train = dict(zip(trainable, flat[:n_tr]))
         other_vals = flat[n_tr : n_tr + n_ot]
         tensor_leaves = flat[n_tr + n_ot + 2 :]
-        grads, losses = per_example(train, other_vals, *tensor_leaves)
+        with batched_attention():  # SDPA has no vmap rule: trace its batched math form
+            grads, losses = per_example(train, other_vals, *tensor_leaves)
         return (losses, *[grads[n] for n in trainable])
 
     state_tensors = [named[n].detach() for n in trainable]
