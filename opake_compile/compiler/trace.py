@@ -289,7 +289,7 @@ def trace_per_example_grads(
         train = dict(zip(trainable, flat[:n_tr]))
         other_vals = flat[n_tr : n_tr + n_ot]
         tensor_leaves = flat[n_tr + n_ot + 2 :]
-        with batched_attention():  # SDPA has no vmap rule: trace its batched math form
+        with batched_attention():  # one fused SDPA call per layer, not one per example
             grads, losses = per_example(train, other_vals, *tensor_leaves)
         return (losses, *[grads[n] for n in trainable])
 
