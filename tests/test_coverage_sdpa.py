@@ -224,3 +224,16 @@ def test_rules_are_registered_only_inside_the_block():
             assert has_rule()
         assert has_rule()
     assert not has_rule()
+
+
+def test_nested_vmap_with_inputs_batched_at_different_levels():
+    q = torch.randn(3, 4, 1, 2, 5, 8, generator=seeded(12), dtype=F64)
+    k = torch.randn(3, 1, 2, 7, 8, generator=seeded(13), dtype=F64)
+    f = lambda q, k: F.scaled_dot_product_attention(q, k, k.sin())  # noqa: E731
+    with _no_fallback(), batched_attention():
+        inner_q_only = torch.func.vmap(torch.func.vmap(f, in_dims=(0, None)))(q, k)
+        inner_k_only = torch.func.vmap(torch.func.vmap(f, in_dims=(None, 0)), in_dims=(0, None))(q[:, 0], k)
+    want = torch.stack([torch.stack([f(q[i, j], k[i]) for j in range(4)]) for i in range(3)])
+    torch.testing.assert_close(inner_q_only, want)
+    want = torch.stack([torch.stack([f(q[i, 0], k[j]) for j in range(3)]) for i in range(3)])
+    torch.testing.assert_close(inner_k_only, want)

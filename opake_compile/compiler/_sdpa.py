@@ -18,16 +18,20 @@ kernel computes for that example alone: the same kernel, the same arithmetic, as
 batch size one. Masks follow the same fold; a mask shared by all examples is passed unchanged
 and broadcast by the kernel.
 
-The other cases need nothing from us: with dropout (``dropout_p > 0``), grouped-query attention
-with differing head counts (``enable_gqa``), or a mask that requires a gradient, torch's
-dispatcher chooses its math backend, a composite of ``matmul``, ``_safe_softmax``, ``dropout``
-and ``repeat_interleave`` that already has batching rules, so the vmapped dropout draws a mask
-per example (``vmap(randomness="different")``).
+Grouped-query attention (``enable_gqa``, fewer key/value heads) runs in the same kernel: heads
+are untouched by the fold. The other cases need nothing from us: with dropout
+(``dropout_p > 0``) or a floating mask that requires a gradient, torch's dispatcher chooses its
+math backend, a composite of ``matmul``, ``_safe_softmax`` and ``dropout`` that already has
+batching rules, and the vmapped dropout draws a mask per example
+(``vmap(randomness="different")``).
 
 The rules are registered with :class:`torch.library.Library` on entry and removed on exit (the
 outermost exit when nested or concurrent): nothing stays patched after ``compile_dp`` has
-traced, and the user's model is never touched. A fold cannot be expressed for a kernel whose
-batch is not its leading dimension; every use here is (the fused kernel requires 4-D inputs).
+traced, and the user's model is never touched.
+
+CUDA is not covered here: torch 2.13 has functorch rules for the forward of its CUDA kernels
+(flash, memory-efficient, cuDNN) but not for their backward ops, which therefore still run
+per example under ``vmap`` (not measured: no GPU was available when this was written).
 """
 
 from __future__ import annotations
