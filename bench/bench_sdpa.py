@@ -16,6 +16,12 @@ For every P, in a fresh process (so each first compile pays the same one-off cos
   ``torch.func.grad``) and the DP step, called alternately round after round in one process;
   ``dp/np``: the median of the per-round ratios.
 
+``--paired`` measures the change in one process per P instead: the DP step traced with the
+batching rules switched off (the per-example loop, as before they existed) and with them on,
+beside the non-private step, timed in rotating order so that all three see the same load::
+
+    PYTHONPATH=. python bench/bench_sdpa.py --paired --sizes 8,32,56 --rounds 10
+
 To compare two versions of the library, run the script with each on ``PYTHONPATH``::
 
     PYTHONPATH=. python bench/bench_sdpa.py --sizes 8,32,56 --rounds 10
@@ -119,15 +125,98 @@ def one(p: int, rounds: int, device: str) -> dict[str, Any]:
     }
 
 
+def paired(p: int, rounds: int, device: str) -> dict[str, Any]:
+    """Loop (no batching rules: the per-example fallback, as before they existed) and batched
+    DP steps and the non-private step in ONE process: compile each, then time them in rotating
+    order, so all three see the same load."""
+    import contextlib
+
+    import torch
+
+    import opake_compile as opake
+    import opake_compile.compiler.trace as trace_mod
+
+    model, loss_fn, args = _build(p, device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of(prm: dict, x: Any, y: Any) -> Any:
+        return torch.nn.functional.cross_entropy(torch.func.functional_call(model, prm, (x,)), y)
+
+    cgrad = torch.compile(lambda prm, *a: torch.func.grad(loss_of)(prm, *a))
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        cgrad(params, *args)  # also pays the process's one-off compile costs
+    times["np"] = time.perf_counter() - t0
+    steps = {}
+    for name in ("loop", "batched"):
+        step = opake.compile_dp(loss_fn, model=model, clipping_norm=1.0, physical_batch_size=p, backend="inductor")
+        saved = trace_mod.batched_attention
+        if name == "loop":
+            trace_mod.batched_attention = contextlib.nullcontext
+        try:
+            t0 = time.perf_counter()
+            step(*args)
+            sync()
+            times[name] = time.perf_counter() - t0
+        finally:
+            trace_mod.batched_attention = saved
+        steps[name] = step
+
+    def np_step() -> None:
+        with torch.no_grad():
+            cgrad(params, *args)
+
+    fns = {"np": np_step, "loop": lambda: steps["loop"](*args), "batched": lambda: steps["batched"](*args)}
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in order[r % 3 :] + order[: r % 3]:
+            sync()
+            t0 = time.perf_counter()
+            fns[name]()
+            sync()
+            samples[name].append(time.perf_counter() - t0)
+    med = {k: 1e3 * statistics.median(v) for k, v in samples.items()}
+    ratio = lambda a, b: statistics.median(x / y for x, y in zip(samples[a], samples[b]))  # noqa: E731
+    return {
+        "P": p, "compile_np_s": times["np"], "compile_loop_s": times["loop"], "compile_batched_s": times["batched"],
+        "np_ms": med["np"], "loop_ms": med["loop"], "batched_ms": med["batched"],
+        "loop_np": ratio("loop", "np"), "batched_np": ratio("batched", "np"), "batched_loop": ratio("batched", "loop"),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,32,56", help="comma list of P (default %(default)s)")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per P (default %(default)s)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--paired", action="store_true",
+                    help="per P, one process: the loop (rules off) and batched DP steps and the non-private step, interleaved")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.one is not None:
-        print(json.dumps(one(ns.one, ns.rounds, ns.device)))
+        print(json.dumps((paired if ns.paired else one)(ns.one, ns.rounds, ns.device)))
+        return
+    if ns.paired:
+        print("| P | compile s: np / loop / batched | ms: np / loop / batched | loop/np | batched/np | batched/loop |")
+        print("|---|---|---|---|---|---|")
+        for p in (int(s) for s in ns.sizes.split(",")):
+            cmd = [sys.executable, os.path.abspath(__file__), "--paired", "--one", str(p), "--rounds", str(ns.rounds), "--device", ns.device]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if out.returncode != 0:
+                print(f"| {p} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |")
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(
+                f"| {p} | {r['compile_np_s']:.0f} / {r['compile_loop_s']:.0f} / {r['compile_batched_s']:.0f} "
+                f"| {r['np_ms']:.0f} / {r['loop_ms']:.0f} / {r['batched_ms']:.0f} | {r['loop_np']:.2f} "
+                f"| {r['batched_np']:.2f} | {r['batched_loop']:.2f} |",
+                flush=True,
+            )
         return
     import opake_compile
 
