@@ -37,6 +37,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile import patches as _patches
 from opake_compile.compiler._rnn import recurrent_ops
+from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
 __all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
@@ -305,7 +306,8 @@ def trace_per_example_grads(
         other_vals = flat[n_tr : n_tr + n_ot]
         tensor_leaves = flat[n_tr + n_ot + 2 : len(flat) - (1 if n_draws else 0)]
         draws.values = flat[-1] if n_draws else None
-        grads, losses = per_example(train, other_vals, *tensor_leaves)
+        with batched_attention():  # one fused SDPA call per layer, not one per example
+            grads, losses = per_example(train, other_vals, *tensor_leaves)
         return (losses, *[grads[n] for n in trainable])
 
     state_tensors = [named[n].detach() for n in trainable]
