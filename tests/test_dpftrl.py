@@ -439,3 +439,29 @@ def test_jax_privacy_oracle_amplified_bandmf_epsilon():
     theirs = dp_accounting.pld.PLDAccountant().compose(event).get_epsilon(1e-6)
     ours = dpftrl.poisson(dpftrl.band_mf_strategy(steps, bands), sigma, q, bands=bands, steps=steps).epsilon_at(1e-6)
     assert ours == pytest.approx(theirs, rel=1e-3)
+
+
+def test_checkpointer_restores_correlated_noise_mid_epoch(tmp_path):
+    def make():
+        s = dpftrl.band_mf_strategy(20, 3)
+        sampler = CyclicPoissonSampler(60, 0.5, bands=3, key=opake.random.key(1), steps=6)
+        model = nn.Linear(2, 2, bias=False)
+        opt = opake.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), sampler=sampler, accountant=FAST,
+                                noise=dpftrl.mf_gaussian_noise(s, 1.0, opake.random.key(2)))
+        return model, opt, sampler
+
+    def run(model, opt, it, k):
+        for _ in range(k):
+            d = next(it)
+            opt.step(_clipped({"weight": torch.ones(2, 2)}, params={"weight": model.weight}), draw=d)
+
+    model, opt, sampler = make()
+    it = iter(sampler)
+    run(model, opt, it, 3)
+    ck = opake.Checkpointer(tmp_path)
+    ck.save(3, model=model, opt=opt, sampler=sampler)
+    run(model, opt, it, 3)
+    model2, opt2, sampler2 = make()
+    assert ck.restore(model=model2, opt=opt2, sampler=sampler2) == 3
+    run(model2, opt2, iter(sampler2), 3)
+    assert torch.equal(model.weight, model2.weight) and opt2.noise_state.step == 6
