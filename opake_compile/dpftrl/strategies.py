@@ -335,7 +335,14 @@ def bisr_strategy(n: int, bands: int) -> Strategy:
     return _make("bisr", n, np.ones(1), _sqrt_coefs(bands), bands=bands)
 
 
-def lambda_cgd_strategy(n: int, lam: float | None = None, *, objective: str = "mean") -> Strategy:
+def lambda_cgd_strategy(
+    n: int,
+    lam: float | None = None,
+    *,
+    objective: str = "mean",
+    participations: int = 1,
+    min_separation: int | None = None,
+) -> Strategy:
     """DP-lambda-CGD (Kalinin, McKenna, Pagh & Lampert 2026, arXiv:2601.22334).
 
     The noise of step ``t`` is proportional to ``Z_t - lam * Z_(t-1)``: ``M^-1`` is bidiagonal
@@ -345,19 +352,26 @@ def lambda_cgd_strategy(n: int, lam: float | None = None, *, objective: str = "m
     Args:
         n: the number of steps.
         lam: the correlation in ``[0, 1)``; ``None`` chooses the one minimising ``objective``.
-        objective: ``"mean"`` or ``"max"`` squared prefix-sum error (single participation).
+        objective: ``"mean"`` or ``"max"`` squared prefix-sum error.
+        participations, min_separation: the pattern whose sensitivity scales the error that
+            ``lam=None`` minimises.
 
     Raises:
         ConfigurationError: ``lam`` outside ``[0, 1)``.
     """
     n = _check_n(n)
     objective = _check_objective(objective)
+    k = check_positive_int(participations, name="participations")
+    if k > 1 and min_separation is None:
+        raise ConfigurationError("Pass min_separation with participations > 1.")
+    sep = n if min_separation is None else check_positive_int(min_separation, name="min_separation")
     if lam is None:
         from scipy.optimize import minimize_scalar
 
         def loss(x: float) -> float:
             m = x ** np.arange(n)
-            return float(m @ m) * _error_and_grad_w(_series(np.array([1.0, -x]), np.ones(1), n), objective)[0]
+            sens_sq = _minsep_sq(m, sep, min(k, -(-n // sep)))
+            return sens_sq * _error_and_grad_w(_series(np.array([1.0, -x]), np.ones(1), n), objective)[0]
 
         lam = float(minimize_scalar(loss, bounds=(0.0, 0.999), method="bounded", options={"xatol": 1e-6}).x)
     if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not 0.0 <= lam < 1.0:
