@@ -116,13 +116,12 @@ class MFGaussianNoise:
             old = tuple(tuple(torch.zeros_like(z) for _ in range(length)) for z in zs)
         ys, new = [], []
         for z, bufs in zip(zs, old):
-            y = b[0] * z + bufs[0] if length else b[0] * z
+            # one new tensor per output and per buffer; the old state's tensors are not modified
+            y = torch.add(bufs[0], z, alpha=b[0]) if length else b[0] * z
             nb = []
             for i in range(1, length + 1):
-                s = b[i] * z - a[i] * y
-                if i < length:
-                    s = s + bufs[i]
-                nb.append(s)
+                s = torch.add(bufs[i], z, alpha=b[i]) if i < length else torch.mul(z, b[i])
+                nb.append(s.add_(y, alpha=-a[i]))
             ys.append(y)
             new.append(tuple(nb))
         return ys, tuple(new), ()
