@@ -362,7 +362,7 @@ class DPOptimizer:
         targets = self._match_parameters(clipped)
         charge, draws_charged = self._charge(clipped, draw)
         if self._plan is not None:
-            self._mf_step(clipped, targets, charge, draws_charged)
+            self._mf_step(clipped, targets, charge, draws_charged, draw)
             return
         step_process = self._release_process(clipped.releases)
         runs = _append_run(self._runs, step_process, charge)
@@ -389,8 +389,28 @@ class DPOptimizer:
         self._runs = runs
         self._draws_charged = draws_charged
 
-    def _mf_step(self, clipped: ClippedPytree, targets: dict[str, torch.Tensor], charge: int, draws_charged: int) -> None:
+    def _mf_step(
+        self, clipped: ClippedPytree, targets: dict[str, torch.Tensor], charge: int, draws_charged: int, draw: Any
+    ) -> None:
         """A step with correlated noise (``noise=`` given); validation done by ``step``."""
+        from opake_compile.sampling import draw_of
+
+        if self._plan.kind in ("cyclic_poisson", "fixed"):
+            # The participation pattern (group t mod bands; epoch position) is accounted in
+            # terms of the noise's step index, so the draw must be the sampler's step t.
+            named = draw_of(draw) or clipped.draw
+            if named is None:
+                raise ConfigurationError(
+                    f"With correlated noise and a {type(self.sampler).__name__}, name the draw of every step "
+                    "(step(clipped, draw=batch_indices)): its position in the sampler's stream must be the "
+                    "noise's step, or the accounted participation pattern could break."
+                )
+            position = named.epoch * self.sampler.steps + named.step
+            if position != self._steps:
+                raise ConfigurationError(
+                    f"Draw (epoch {named.epoch}, step {named.step}) is step {position} of the sampler's stream, "
+                    f"but the correlated noise is at step {self._steps}: take the draws in order, one step each."
+                )
         if clipped.releases:
             raise ConfigurationError(
                 f"The ClippedPytree carries other releases {clipped.releases!r}; their accounting with "

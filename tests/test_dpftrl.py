@@ -381,9 +381,22 @@ def test_optimizer_refuses_skipped_draws_with_correlated_noise():
     it = iter(sampler)
     next(it)
     draw = next(it)
-    with pytest.raises(ConfigurationError, match="one step per draw"):  # draw 0 was skipped
-        opt.step(_clipped({"w": torch.zeros(10, dtype=torch.float64)}, params={"w": param}), draw=draw)
+    zero = _clipped({"w": torch.zeros(10, dtype=torch.float64)}, params={"w": param})
+    with pytest.raises(ConfigurationError, match="in order|one step per draw"):  # draw 0 was skipped
+        opt.step(zero, draw=draw)
     assert opt.steps == 0
+    # a draw out of the sampler's order (same group twice in a row) is refused
+    sampler = CyclicPoissonSampler(80, 0.5, bands=2, key=opake.random.key(1), steps=8)
+    param, opt = _opt_with(dpftrl.mf_gaussian_noise(band, 1.0, opake.random.key(2)), sampler)
+    zero = _clipped({"w": torch.zeros(10, dtype=torch.float64)}, params={"w": param})
+    opt.step(zero, draw=sampler.batch_at(0, 0))
+    with pytest.raises(ConfigurationError, match="in order"):
+        opt.step(zero, draw=sampler.batch_at(0, 0))
+    assert opt.steps == 1
+    sampler.batch_at(0, 1)
+    with pytest.raises(ConfigurationError, match="name the draw"):
+        opt.step(zero)
+    assert opt.steps == 1
 
 
 # ----------------------------------------------------------------------------- JAX-Privacy oracle
