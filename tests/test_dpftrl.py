@@ -393,10 +393,12 @@ def test_optimizer_refuses_skipped_draws_with_correlated_noise():
     with pytest.raises(ConfigurationError, match="in order"):
         opt.step(zero, draw=sampler.batch_at(0, 0))
     assert opt.steps == 1
-    sampler.batch_at(0, 1)
+    sampler = CyclicPoissonSampler(80, 0.5, bands=2, key=opake.random.key(1), steps=8)
+    param, opt = _opt_with(dpftrl.mf_gaussian_noise(band, 1.0, opake.random.key(2)), sampler)
+    sampler.batch_at(0, 0)
     with pytest.raises(ConfigurationError, match="name the draw"):
-        opt.step(zero)
-    assert opt.steps == 1
+        opt.step(_clipped({"w": torch.zeros(10, dtype=torch.float64)}, params={"w": param}))
+    assert opt.steps == 0
 
 
 # ----------------------------------------------------------------------------- JAX-Privacy oracle
