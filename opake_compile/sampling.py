@@ -1,4 +1,10 @@
-"""Poisson subsampling of a dataset, as a ``DataLoader`` batch sampler.
+"""Poisson subsampling of a dataset, as a ``DataLoader`` batch sampler (and the DP-FTRL samplers).
+
+The samplers of correlated noise (:mod:`opake_compile.dpftrl`) live here too:
+:class:`CyclicPoissonSampler` (Poisson within one of ``bands`` fixed groups per step),
+:class:`SequentialBatchSampler` (the same fixed batches every epoch) and
+:class:`BallsInBinsSampler` (a random partition per epoch). They are not ``is_poisson``:
+``DPOptimizer`` accepts them only with a noise mechanism that declares their scheme.
 
 DP-SGD's privacy amplification by subsampling (Abadi et al. 2016, "Deep Learning with
 Differential Privacy"; Mironov, Talwar and Zhang 2019 for the Rényi analysis) assumes that every
