@@ -518,16 +518,19 @@ class _SchemeSampler(PoissonSampler):
 class CyclicPoissonSampler(_SchemeSampler):
     """Cyclic Poisson sampling over ``bands`` fixed groups (amplified BandMF).
 
-    The ``N`` indices are split once, by a permutation drawn from ``key``, into ``bands``
-    groups of sizes differing by at most one (index at position ``p`` of the permutation is in
-    group ``p mod bands``). At global step ``T`` (``epoch * steps + step``), every index of
+    Every index ``i`` belongs to group ``h(key, i) mod bands`` for a 64-bit hash ``h``
+    (splitmix64 of the key's seed and ``i``): an example's group depends only on the key and
+    its own index, not on ``N`` or on the other examples, so adding or removing an example (the
+    last index, or with stable indices) moves no other example between groups, as the
+    add-or-remove analysis needs (group sizes are then multinomial, about ``N / bands``). At
+    global step ``T`` (``epoch * steps + step``), every index of
     group ``T mod bands`` joins the batch independently with probability ``sample_rate``;
     the other groups sit out. So an example takes part only in steps ``bands`` apart, which is
     what amplifies BandMF with at most ``bands`` bands (Choquette-Choo et al. 2023;
     accounted by :func:`opake_compile.accounting.mf_poisson`). ``bands=1`` is plain Poisson.
 
     Divisor: ``expected_batch_size = sample_rate * N / bands`` (the optimizer divides the
-    noised sum by it, never by the realised size).
+    noised sum by it, never by the realised size; it is the expectation over the hash too).
 
     Args:
         dataset_size: N >= bands.
@@ -552,10 +555,7 @@ class CyclicPoissonSampler(_SchemeSampler):
         if bands > self._dataset_size:
             raise ConfigurationError(f"Expected bands={bands} <= dataset_size={self._dataset_size}.")
         self._bands = bands
-        g = oprandom.generator_from_key(oprandom.fold_in(key, 2**62))
-        perm = torch.randperm(self._dataset_size, generator=g)
-        self._group = torch.empty(self._dataset_size, dtype=torch.int64)
-        self._group[perm] = torch.arange(self._dataset_size) % bands
+        self._group = torch.from_numpy(_hash_groups(key, self._dataset_size, bands))
 
     @property
     def bands(self) -> int:
@@ -585,6 +585,19 @@ class CyclicPoissonSampler(_SchemeSampler):
             f"CyclicPoissonSampler(dataset_size={self._dataset_size}, sample_rate={self._sample_rate}, "
             f"bands={self._bands}, steps={self._steps}, key={self._key!r})"
         )
+
+
+def _hash_groups(key: oprandom.Key, n: int, bands: int) -> Any:
+    """``splitmix64(seed + (i + 1) * golden) mod bands`` for ``i < n`` (numpy int64)."""
+    import numpy as np
+
+    seed = np.uint64(oprandom.generator_from_key(oprandom.fold_in(key, 2**62)).initial_seed() & (2**64 - 1))
+    with np.errstate(over="ignore"):
+        x = seed + (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(bands)).astype(np.int64)
 
 
 class SequentialBatchSampler(_SchemeSampler):

@@ -198,7 +198,9 @@ def test_cyclic_poisson_sampler_groups_and_divisor():
     s = CyclicPoissonSampler(100, 0.5, bands=4, key=opake.random.key(1), steps=8)
     assert s.expected_batch_size == pytest.approx(12.5)
     groups = [s.group_of(i) for i in range(100)]
-    assert sorted(np.bincount(groups)) == [25, 25, 25, 25]
+    assert len(np.bincount(groups)) == 4 and min(np.bincount(groups)) >= 10
+    other = CyclicPoissonSampler(101, 0.5, bands=4, key=opake.random.key(1), steps=8)
+    assert [other.group_of(i) for i in range(100)] == groups  # adding an example moves no other
     for epoch in range(2):
         for step, batch in enumerate(s):
             assert all(groups[i] == (epoch * 8 + step) % 4 for i in batch)
