@@ -611,6 +611,11 @@ class SequentialBatchSampler(_SchemeSampler):
     ``b = steps`` that :func:`opake_compile.accounting.mf_gaussian` accounts for (no
     amplification). Used with BLT, BISR, lambda-CGD.
 
+    Neighbouring datasets: the positions come from a permutation of all ``N`` indices, so the
+    guarantee is for datasets that differ in one example's *content* with the slots fixed
+    (the zero-out relation of DP-FTRL, Kairouz et al. 2021: the example's gradient replaced
+    by zero), not for adding or removing an example, which would move others between batches.
+
     Divisor: ``expected_batch_size = batch_size`` (every batch has exactly that size).
 
     Args:

@@ -51,6 +51,9 @@ def mf_gaussian(
     ``C * strategy.sensitivity(participations, min_separation)`` in L2, so the run is
     ``gaussian(sigma / sens)`` (no amplification by sampling is assumed: the batches may be
     fixed). Do not repeat it with ``* steps``: it already covers all ``strategy.n`` steps.
+    Neighbouring relation: one example's gradients changed within its participation slots
+    (zero-out, Kairouz et al. 2021); with batches that move other examples when one is added
+    or removed, the pattern does not hold for add-or-remove.
 
     Args:
         strategy: the :class:`~opake_compile.dpftrl.strategies.Strategy`.
