@@ -20,6 +20,16 @@ Run it::
     python examples/train_digits.py --non-private-baseline --plot digits.png
     python examples/train_digits.py --data mine.csv --label-column target --epsilon 8
     python examples/train_digits.py --checkpoint-dir runs/digits --resume   # pre-emptible
+    python examples/train_digits.py --noise bandmf --bands 4             # DP-FTRL, same epsilon
+
+Correlated noise (``--noise``, DP-FTRL / matrix factorisation, :mod:`opake_compile.dpftrl`):
+``gaussian`` (default) is DP-SGD with Poisson sampling. ``bandmf`` is BandMF with ``--bands``
+bands amplified by cyclic Poisson sampling over ``--bands`` groups (the expected batch stays
+``--batch-size``; accounted by ``accounting.mf_poisson``). ``blt``, ``bisr`` and ``lambda-cgd``
+use fixed batches (``SequentialBatchSampler``: ``N // batch`` batches, the same every epoch) and
+are accounted without amplification by ``accounting.mf_gaussian`` for ``epochs``
+participations one epoch apart: no known closed-form amplification covers them. Each noise is
+calibrated to the same (epsilon, delta).
 
 Checkpoints: with ``--checkpoint-dir`` the whole state of the run (model, optimizer moments, the
 ``DPOptimizer``'s noise key and step count, the sampler's epoch and position, the compiled
@@ -78,6 +88,8 @@ DIGITS_PIXEL_MAX = 16.0
 # Adam was the better of the two there). SGD uses momentum 0.9.
 DEFAULT_LR = {"adam": 5e-3, "sgd": 0.5}
 
+NOISES = ("gaussian", "bandmf", "blt", "bisr", "lambda-cgd")
+
 
 # ----------------------------------------------------------------------------- configuration
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +119,8 @@ class Config:
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # steps; None: once per epoch
     resume: bool = False
+    noise: str = "gaussian"
+    bands: int = 4
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -155,6 +169,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--checkpoint-dir", metavar="DIR", default=None, help="write checkpoints of the whole DP state to DIR (keeps the newest 3)")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS", help="checkpoint every STEPS steps (default: every epoch)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir (start fresh if there is none)")
+    p.add_argument(
+        "--noise",
+        choices=NOISES,
+        default=d.noise,
+        help="noise mechanism: gaussian (DP-SGD) or correlated DP-FTRL noise, each calibrated to the same "
+        "epsilon (default %(default)s)",
+    )
+    p.add_argument("--bands", type=int, default=d.bands, help="bands of BandMF / BISR (default %(default)s)")
     ns = p.parse_args(argv)
     return Config(**vars(ns))
 
@@ -428,7 +450,9 @@ def make_accountant() -> accounting.Accountant:
     return accounting.Accountant("pld", value_discretization_interval=1e-3)
 
 
-def calibrate_noise(epsilon: float, delta: float, sample_rate: float, dataset_size: int, steps: int) -> accounting.CalibrationResult:
+def calibrate_noise(
+    epsilon: float, delta: float, sample_rate: float, dataset_size: int, steps: int, process_of: Any = None
+) -> accounting.CalibrationResult:
     """The smallest noise multiplier with which ``steps`` Poisson-subsampled Gaussian steps
     spend at most (epsilon, delta) under the PLD accountant (the optimizer's default).
 
@@ -437,12 +461,17 @@ def calibrate_noise(epsilon: float, delta: float, sample_rate: float, dataset_si
     discretisation) an upper end, and the PLD search runs in [sigma_rdp / 2, 1.25 sigma_rdp].
     The result is accounted with :func:`make_accountant`, the accountant the optimizer uses.
 
+    ``process_of(sigma)``, when given, is the privacy process of the whole run instead (the
+    correlated-noise mechanisms).
+
     Raises:
         CalibrationError: the budget cannot be met with sigma <= 1000 (epsilon too small).
     """
     budget = accounting.epsilon_budget(epsilon, delta)
 
     def process(sigma: float) -> accounting.PrivacyProcess:
+        if process_of is not None:
+            return process_of(sigma)
         return accounting.dpsgd_step_process(sigma, sample_rate, dataset_size=dataset_size) * steps
 
     absl = logging.getLogger("absl")  # dp-accounting's RDP code logs harmless convergence notes
@@ -475,6 +504,10 @@ def _check_config(config: Config) -> None:
         raise ConfigurationError(f"Expected lr_schedule in ('constant', 'cosine', 'one-minus-sqrt'), got {config.lr_schedule!r}.")
     if config.checkpoint_every is not None and config.checkpoint_every < 1:
         raise ConfigurationError(f"Expected checkpoint_every={config.checkpoint_every!r} >= 1.")
+    if config.noise not in NOISES:
+        raise ConfigurationError(f"Expected noise in {NOISES}, got {config.noise!r}.")
+    if config.bands < 1:
+        raise ConfigurationError(f"Expected bands={config.bands!r} >= 1.")
     if config.resume and config.checkpoint_dir is None:
         raise ConfigurationError("--resume needs --checkpoint-dir (where the checkpoints are).")
 
@@ -505,16 +538,46 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         raise ConfigurationError(f"Expected batch_size={config.batch_size} <= N = {n} training examples.")
     q = config.batch_size / n
     steps_per_epoch = max(1, round(n / config.batch_size))
-    total_steps = config.epochs * steps_per_epoch
-
+    strategy = None
     t0 = time.perf_counter()
-    calibration = calibrate_noise(config.epsilon, config.delta, q, n, total_steps)
+    if config.noise == "bandmf":
+        # cyclic Poisson over `bands` groups: rate q * bands within the group keeps the batch
+        if config.bands * config.batch_size > n:
+            raise ConfigurationError(
+                f"--bands {config.bands} x --batch-size {config.batch_size} exceeds N = {n}: each of the "
+                "bands groups must hold at least one expected batch."
+            )
+        q = config.batch_size * config.bands / n
+    elif config.noise != "gaussian":
+        steps_per_epoch = n // config.batch_size  # fixed batches of exactly batch_size
+    total_steps = config.epochs * steps_per_epoch
+    process_of = None
+    if config.noise == "bandmf":
+        strategy = opake.dpftrl.band_mf_strategy(total_steps, config.bands)
+
+        def process_of(sigma: float) -> accounting.PrivacyProcess:
+            return accounting.mf_poisson(strategy, sigma, q, bands=config.bands, steps=total_steps)
+    elif config.noise != "gaussian":
+        pattern = {"participations": config.epochs, "min_separation": steps_per_epoch}
+        if config.noise == "blt":
+            strategy = opake.dpftrl.blt_strategy(total_steps, 3, **pattern)
+        elif config.noise == "bisr":
+            strategy = opake.dpftrl.bisr_strategy(total_steps, min(config.bands, total_steps))
+        else:
+            strategy = opake.dpftrl.lambda_cgd_strategy(total_steps, **pattern)
+
+        def process_of(sigma: float) -> accounting.PrivacyProcess:
+            return accounting.mf_gaussian(strategy, sigma, **pattern)
+
+    calibration = calibrate_noise(config.epsilon, config.delta, q, n, total_steps, process_of)
     sigma = calibration.param
     calibrate_s = time.perf_counter() - t0
     _log(
         config,
         f"[private] N={n}, q={q:.4f} (expected batch {config.batch_size}), {steps_per_epoch} steps/epoch x "
-        f"{config.epochs} epochs = {total_steps} steps; noise multiplier sigma={sigma:.4f} calibrated to "
+        f"{config.epochs} epochs = {total_steps} steps; noise {config.noise}"
+        f"{'' if strategy is None else f' ({strategy!r}, prefix-sum RMSE {strategy.rmse():.3g} x sigma C)'}; "
+        f"noise multiplier sigma={sigma:.4f} calibrated to "
         f"epsilon={calibration.epsilon:.4f} <= {config.epsilon:g} at delta={config.delta:g} ({make_accountant()!r}, {calibrate_s:.1f} s)",
     )
 
@@ -530,15 +593,29 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         backend=config.backend,
         key=step_key,
     )
-    sampler = opake.PoissonSampler(n, q, key=sampler_key, steps=steps_per_epoch)
-    optimizer = opake.DPOptimizer(
-        _make_optimizer(config, model),
-        noise_multiplier=sigma,
-        sampler=sampler,
-        key=noise_key,
-        accountant=make_accountant(),
-        budget=accounting.epsilon_budget(config.epsilon, config.delta),
-    )
+    budget = accounting.epsilon_budget(config.epsilon, config.delta)
+    if config.noise == "gaussian":
+        sampler = opake.PoissonSampler(n, q, key=sampler_key, steps=steps_per_epoch)
+        optimizer = opake.DPOptimizer(
+            _make_optimizer(config, model),
+            noise_multiplier=sigma,
+            sampler=sampler,
+            key=noise_key,
+            accountant=make_accountant(),
+            budget=budget,
+        )
+    else:
+        if config.noise == "bandmf":
+            sampler = opake.sampling.CyclicPoissonSampler(n, q, config.bands, sampler_key, steps=steps_per_epoch)
+        else:
+            sampler = opake.sampling.SequentialBatchSampler(n, config.batch_size, sampler_key)
+        optimizer = opake.DPOptimizer(
+            _make_optimizer(config, model),
+            sampler=sampler,
+            noise=opake.dpftrl.mf_gaussian_noise(strategy, sigma, noise_key),
+            accountant=make_accountant(),
+            budget=budget,
+        )
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _lr_schedule(config, total_steps))
 
@@ -616,6 +693,9 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
         "epsilon": history[-1]["epsilon"] if history else optimizer.epsilon(config.delta),
         "delta": config.delta,
         "noise_multiplier": sigma,
+        "noise": config.noise,
+        "strategy": None if strategy is None else repr(strategy),
+        "prefix_sum_rmse": None if strategy is None else strategy.rmse(),
         "calibrated_epsilon": calibration.epsilon,
         "sample_rate": q,
         "dataset_size": n,
@@ -742,7 +822,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         "=" * 72,
         f"summary ({summary['data']['source']}, {summary['data']['n_train']} train / {summary['data']['n_test']} test)",
         f"  private:      test accuracy {p['test_accuracy']:.4f} at epsilon = {p['epsilon']:.3f}, delta = {p['delta']:g} "
-        f"(sigma = {p['noise_multiplier']:.3f}, {p['steps']} steps)",
+        f"({p.get('noise', 'gaussian')} noise, sigma = {p['noise_multiplier']:.3f}, {p['steps']} steps)",
     ]
     if b is not None:
         lines.append(f"  non-private:  test accuracy {b['test_accuracy']:.4f} (baseline, epsilon = inf)")

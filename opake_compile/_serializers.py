@@ -127,7 +127,7 @@ register_serializer(
     config=("noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size", "accountant"),
     # "runs": the per-run history of charged steps some optimizer versions keep (its length is
     # data); the wrapped optimizer's moments do not exist yet in a fresh template.
-    free=(("optimizer", "state"), ("runs",)),
+    free=(("optimizer", "state"), ("runs",), ("noise_state", "buffers"), ("noise_state", "replay_keys")),
     in_place=True,
 )
 

@@ -121,10 +121,22 @@ class DPOptimizer:
         budget: optional privacy budget (``accounting.epsilon_budget(eps, delta)``). A step
             that would exceed it raises :class:`PrivacyBudgetExhaustedError` before any
             parameter, optimizer or random state changes.
+        noise: the noise mechanism; ``None`` (default) is the Gaussian mechanism above. Or the
+            ``(noise_fn, noise_state)`` pair of
+            :func:`opake_compile.dpftrl.mf_gaussian_noise` (correlated noise, DP-FTRL): sigma
+            and the key then come from it (``noise_multiplier`` may repeat sigma, ``key`` must
+            be omitted), and the accounting is derived from the mechanism and the sampler
+            together (:func:`opake_compile.accounting.mf_plan`): the samplers it declares
+            (``CyclicPoissonSampler`` with BandMF, ``SequentialBatchSampler``, Poisson with the
+            identity strategy) are accepted, every other combination is refused with the
+            reason. The noised sum is divided by the sampler's ``expected_batch_size``.
 
     Raises:
-        InputTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; bad key.
-        ConfigurationError: sigma < 0 or non-finite; a sampler that is not Poisson; q * N = 0.
+        InputTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; bad key; ``noise``
+            is not a mechanism's pair.
+        ConfigurationError: sigma < 0 or non-finite; a sampler that is not Poisson (without a
+            mechanism that declares it); q * N = 0; a noise mechanism that cannot be accounted
+            with this sampler.
 
     Example::
 
@@ -139,17 +151,38 @@ class DPOptimizer:
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        noise_multiplier: float,
+        noise_multiplier: float | None = None,
         sampler: Any,
-        key: Any,
+        key: Any = None,
         accountant: Any = None,
         budget: Any = None,
+        noise: Any = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InputTypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.optimizer = optimizer
+        self._noise_fn = self._noise_state = self._plan = None
+        self._mf_allowed: int | None = None
+        if noise is not None:
+            if not (isinstance(noise, tuple) and len(noise) == 2 and hasattr(noise[0], "accounting_plan")):
+                raise InputTypeError(
+                    "Expected noise=(noise_fn, noise_state) from opake_compile.dpftrl.mf_gaussian_noise "
+                    f"(or None for Gaussian noise), got {type(noise).__name__}."
+                )
+            self._noise_fn, self._noise_state = noise
+            if noise_multiplier is not None and check_noise_multiplier(noise_multiplier) != self._noise_fn.noise_multiplier:
+                raise ConfigurationError(
+                    f"noise_multiplier={noise_multiplier} differs from the noise mechanism's "
+                    f"{self._noise_fn.noise_multiplier}; pass it once (to the mechanism)."
+                )
+            if key is not None:
+                raise ConfigurationError("With noise=..., the noise state carries the key; do not pass key=.")
+            noise_multiplier, key = self._noise_fn.noise_multiplier, self._noise_state.key
+            self._plan = self._noise_fn.accounting_plan(sampler)  # refuses with the reason
+        if noise_multiplier is None or key is None:
+            raise InputTypeError("DPOptimizer needs noise_multiplier= and key= (or noise=).")
         self._noise_multiplier = check_noise_multiplier(noise_multiplier)
-        if not getattr(sampler, "is_poisson", False):
+        if self._plan is None and not getattr(sampler, "is_poisson", False):
             raise ConfigurationError(
                 f"DPOptimizer needs a Poisson sampler (opake_compile.sampling.PoissonSampler); got "
                 f"{type(sampler).__name__}. Fixed-size shuffled batches are not Poisson subsampling, "
@@ -214,7 +247,10 @@ class DPOptimizer:
 
     @property
     def expected_batch_size(self) -> float:
-        """q * N: the divisor of the noised sum (never the realised batch size)."""
+        """q * N: the divisor of the noised sum (never the realised batch size); with
+        correlated noise, the sampler's ``expected_batch_size``."""
+        if self._plan is not None:
+            return self._plan.divisor
         return self._sample_rate * self._dataset_size
 
     @property
@@ -233,7 +269,10 @@ class DPOptimizer:
 
     @property
     def process(self) -> Any:
-        """The privacy process of all steps charged so far, in order (``p1 * k1 | p2 * k2``)."""
+        """The privacy process of all steps charged so far, in order (``p1 * k1 | p2 * k2``);
+        with correlated noise, the mechanism's process of the steps taken."""
+        if self._plan is not None:
+            return self._plan.process(self._steps)
         return _runs_process(self._runs, self.step_process)
 
     def epsilon(self, delta: float | None = None) -> float:
@@ -250,6 +289,10 @@ class DPOptimizer:
         """How many logical steps the budget allows in total (``None`` without a budget)."""
         if self.budget is None:
             return None
+        if self._plan is not None:
+            if self._mf_allowed is None:
+                self._mf_allowed = self._plan.max_steps(self.accountant, self.budget)
+            return self._mf_allowed
         return self.accountant.max_steps(self.step_process, self.budget)
 
     # ---------------------------------------------------------------- the step
@@ -318,6 +361,9 @@ class DPOptimizer:
             raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")
         targets = self._match_parameters(clipped)
         charge, draws_charged = self._charge(clipped, draw)
+        if self._plan is not None:
+            self._mf_step(clipped, targets, charge, draws_charged, draw)
+            return
         step_process = self._release_process(clipped.releases)
         runs = _append_run(self._runs, step_process, charge)
         if self.budget is not None:
@@ -342,6 +388,69 @@ class DPOptimizer:
         self._steps += charge
         self._runs = runs
         self._draws_charged = draws_charged
+
+    def _mf_step(
+        self, clipped: ClippedPytree, targets: dict[str, torch.Tensor], charge: int, draws_charged: int, draw: Any
+    ) -> None:
+        """A step with correlated noise (``noise=`` given); validation done by ``step``."""
+        from opake_compile.sampling import draw_of
+
+        if self._plan.kind in ("cyclic_poisson", "fixed"):
+            # The participation pattern (group t mod bands; epoch position) is accounted in
+            # terms of the noise's step index, so the draw must be the sampler's step t.
+            named = draw_of(draw) or clipped.draw
+            if named is None:
+                raise ConfigurationError(
+                    f"With correlated noise and a {type(self.sampler).__name__}, name the draw of every step "
+                    "(step(clipped, draw=batch_indices)): its position in the sampler's stream must be the "
+                    "noise's step, or the accounted participation pattern could break."
+                )
+            position = named.epoch * self.sampler.steps + named.step
+            if position != self._steps:
+                raise ConfigurationError(
+                    f"Draw (epoch {named.epoch}, step {named.step}) is step {position} of the sampler's stream, "
+                    f"but the correlated noise is at step {self._steps}: take the draws in order, one step each."
+                )
+        if clipped.releases:
+            raise ConfigurationError(
+                f"The ClippedPytree carries other releases {clipped.releases!r}; their accounting with "
+                "correlated noise is not built, so the step is refused."
+            )
+        if charge != 1:
+            raise ConfigurationError(
+                f"This step would charge {charge} draws (draws handed out and skipped): correlated noise "
+                "needs exactly one step per draw, in order (the participation pattern it is accounted "
+                "for would break). Step on every draw."
+            )
+        if self.budget is not None and self._steps + 1 > self.max_steps():
+            raise PrivacyBudgetExhaustedError(
+                f"Step {self.steps + 1} would exceed the privacy budget {self.budget}: it allows "
+                f"{self.max_steps()} step(s) of {self._noise_fn!r} with {type(self.sampler).__name__}. "
+                "No state was changed."
+            )
+        noised, new_state = self._noise_fn(clipped, self._noise_state)
+        new_grads = {
+            name: (noised.grads[name] / self.expected_batch_size).to(dtype=p.dtype, device=p.device)
+            for name, p in targets.items()
+        }
+        written = {id(p) for p in targets.values()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in written:
+                    p.grad = None
+        for name, p in targets.items():
+            p.grad = new_grads[name]
+        self.optimizer.step()
+        self._noise_state = new_state
+        self._key = new_state.key
+        self._steps += 1
+        self._runs = _append_run(self._runs, self._step_process, 1)  # keeps the checkpoint's count
+        self._draws_charged = draws_charged
+
+    @property
+    def noise_state(self) -> Any:
+        """The correlated noise's state (``None`` with the default Gaussian noise)."""
+        return self._noise_state
 
     # ------------------------------------------------------- what a step charges
     def _charge(self, clipped: ClippedPytree, draw: Any) -> tuple[int, int]:
@@ -472,6 +581,7 @@ class DPOptimizer:
             "draws_charged": self._draws_charged,
             # Each run of identical steps: the noise multipliers of the other releases, count.
             "runs": [[_release_sigmas(proc, self.step_process), count] for proc, count in self._runs],
+            **({} if self._plan is None else {"noise_state": _mf_state_to_dict(self._noise_state), "noise": repr(self._noise_fn)}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -507,11 +617,47 @@ class DPOptimizer:
             raise CheckpointError(f"DPOptimizer state has invalid runs {saved_runs!r}: {err}") from err
         if sum(count for _, count in runs) != steps:
             raise CheckpointError(f"DPOptimizer state: runs {saved_runs!r} do not add up to steps={steps}.")
+        noise_state = None
+        if self._plan is not None:
+            if state.get("noise") != repr(self._noise_fn) or "noise_state" not in state:
+                raise CheckpointError(
+                    f"Checkpoint has noise {state.get('noise')!r}, this optimizer {self._noise_fn!r}: the "
+                    "correlated noise and its accounting would not match."
+                )
+            noise_state = _mf_state_from_dict(state["noise_state"], self._noise_state)
+            if noise_state.step != steps:
+                raise CheckpointError(f"DPOptimizer state: noise step {noise_state.step} != steps={steps}.")
         self.optimizer.load_state_dict(state["optimizer"])
+        if noise_state is not None:
+            self._noise_state = noise_state
         self._key = key
         self._steps = steps
         self._runs = runs
         self._draws_charged = int(state.get("draws_charged", 0))
+
+
+def _mf_state_to_dict(state: Any) -> dict[str, Any]:
+    return {
+        "key": _random.key_to_state(state.key),
+        "step": int(state.step),
+        "buffers": None if state.buffers is None else [[t.detach().clone() for t in bufs] for bufs in state.buffers],
+        "replay_keys": [_random.key_to_state(k) for k in state.replay_keys],
+    }
+
+
+def _mf_state_from_dict(d: Any, template: Any) -> Any:
+    try:
+        buffers = d["buffers"]
+        if buffers is not None:
+            buffers = tuple(tuple(torch.as_tensor(t) for t in bufs) for bufs in buffers)
+        return type(template)(
+            _random.key_from_state(d["key"]),
+            int(d["step"]),
+            buffers,
+            tuple(_random.key_from_state(k) for k in d["replay_keys"]),
+        )
+    except (KeyError, TypeError, ValueError, InputTypeError) as err:
+        raise CheckpointError(f"DPOptimizer state has an invalid noise_state: {err}") from err
 
 
 def _append_run(runs: tuple[tuple[Any, int], ...], process: Any, count: int) -> tuple[tuple[Any, int], ...]:

@@ -1,4 +1,10 @@
-"""Poisson subsampling of a dataset, as a ``DataLoader`` batch sampler.
+"""Poisson subsampling of a dataset, as a ``DataLoader`` batch sampler (and the DP-FTRL samplers).
+
+The samplers of correlated noise (:mod:`opake_compile.dpftrl`) live here too:
+:class:`CyclicPoissonSampler` (Poisson within one of ``bands`` fixed groups per step),
+:class:`SequentialBatchSampler` (the same fixed batches every epoch) and
+:class:`BallsInBinsSampler` (a random partition per epoch). They are not ``is_poisson``:
+``DPOptimizer`` accepts them only with a noise mechanism that declares their scheme.
 
 DP-SGD's privacy amplification by subsampling (Abadi et al. 2016, "Deep Learning with
 Differential Privacy"; Mironov, Talwar and Zhang 2019 for the Rényi analysis) assumes that every
@@ -33,7 +39,16 @@ from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int, check_probability
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 
-__all__ = ["PoissonSampler", "Draw", "DrawId", "draw_of", "draw_loader"]
+__all__ = [
+    "PoissonSampler",
+    "CyclicPoissonSampler",
+    "SequentialBatchSampler",
+    "BallsInBinsSampler",
+    "Draw",
+    "DrawId",
+    "draw_of",
+    "draw_loader",
+]
 
 _STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
@@ -156,6 +171,7 @@ class PoissonSampler(Sampler[list[int]]):
     """
 
     is_poisson = True
+    sampling = "poisson"  # the scheme a noise mechanism's accounting recognises
 
     def __init__(
         self,
@@ -462,3 +478,214 @@ def draw_loader(
     return torch.utils.data.DataLoader(
         _DrawDataset(dataset), batch_sampler=sampler, collate_fn=_CollateWithDraw(collate_fn), **loader_kwargs
     )
+
+
+# ----------------------------------------------------------------------------- DP-FTRL samplers
+class _SchemeSampler(PoissonSampler):
+    """Shared machinery (draw ids, epochs, checkpoints) of the samplers of other schemes.
+
+    ``is_poisson`` is ``False``: ``DPOptimizer`` with its default Gaussian noise refuses them;
+    a noise mechanism that declares the scheme (``sampling``) accepts them.
+    """
+
+    is_poisson = False
+    sampling = "none"
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sampling": self.sampling, **self._extra_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"Expected a dict state, got {type(state).__name__}.")
+        for name, value in {"sampling": self.sampling, **self._extra_state()}.items():
+            if state.get(name) != value:
+                raise CheckpointError(
+                    f"{type(self).__name__} state has {name}={state.get(name)!r}, this sampler {value!r}."
+                )
+        super().load_state_dict(state)
+
+    def _global_step(self, epoch: int, step: int) -> int:
+        return epoch * self._steps + step
+
+    def _draw(self, epoch_key: oprandom.Key, step: int, epoch: int) -> Draw:
+        self._current_epoch = epoch  # _batch gets the epoch key only; the cyclic scheme needs the epoch
+        return super()._draw(epoch_key, step, epoch)
+
+
+class CyclicPoissonSampler(_SchemeSampler):
+    """Cyclic Poisson sampling over ``bands`` fixed groups (amplified BandMF).
+
+    Every index ``i`` belongs to group ``h(key, i) mod bands`` for a 64-bit hash ``h``
+    (splitmix64 of the key's seed and ``i``): an example's group depends only on the key and
+    its own index, not on ``N`` or on the other examples, so adding or removing an example (the
+    last index, or with stable indices) moves no other example between groups, as the
+    add-or-remove analysis needs (group sizes are then multinomial, about ``N / bands``). At
+    global step ``T`` (``epoch * steps + step``), every index of
+    group ``T mod bands`` joins the batch independently with probability ``sample_rate``;
+    the other groups sit out. So an example takes part only in steps ``bands`` apart, which is
+    what amplifies BandMF with at most ``bands`` bands (Choquette-Choo et al. 2023;
+    accounted by :func:`opake_compile.accounting.mf_poisson`). ``bands=1`` is plain Poisson.
+
+    Divisor: ``expected_batch_size = sample_rate * N / bands`` (the optimizer divides the
+    noised sum by it, never by the realised size; it is the expectation over the hash too).
+
+    Args:
+        dataset_size: N >= bands.
+        sample_rate: q in [0, 1], the rate within the group of the step.
+        bands: the number of groups, >= 1.
+        key: the sampler's key (partition and draws).
+        steps: batches per epoch; default ``bands * max(1, round(1/q))`` (each example once
+            per epoch in expectation).
+
+    Raises:
+        InputTypeError, ConfigurationError: as :class:`PoissonSampler`; ``bands > N``.
+    """
+
+    sampling = "cyclic_poisson"
+
+    def __init__(self, dataset_size: int, sample_rate: float, bands: int, key: oprandom.Key, *, steps: int | None = None) -> None:
+        bands = check_positive_int(bands, name="bands")
+        q = check_probability(sample_rate, name="sample_rate")
+        if steps is None and q > 0:
+            steps = bands * max(1, round(1.0 / q))
+        super().__init__(dataset_size, q, key=key, steps=steps)
+        if bands > self._dataset_size:
+            raise ConfigurationError(f"Expected bands={bands} <= dataset_size={self._dataset_size}.")
+        self._bands = bands
+        self._group = torch.from_numpy(_hash_groups(key, self._dataset_size, bands))
+
+    @property
+    def bands(self) -> int:
+        """The number of groups."""
+        return self._bands
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``q * N / bands``."""
+        return self._sample_rate * self._dataset_size / self._bands
+
+    def group_of(self, index: int) -> int:
+        """The group of example ``index`` (public: it depends only on the key and N)."""
+        return int(self._group[index])
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"bands": self._bands}
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        group = self._global_step(self._current_epoch, step) % self._bands
+        g = oprandom.generator_from_key(oprandom.fold_in(epoch_key, step))
+        mask = torch.rand(self._dataset_size, generator=g, dtype=torch.float64) < self._sample_rate
+        return (mask & (self._group == group)).nonzero().flatten().tolist()
+
+    def __repr__(self) -> str:
+        return (
+            f"CyclicPoissonSampler(dataset_size={self._dataset_size}, sample_rate={self._sample_rate}, "
+            f"bands={self._bands}, steps={self._steps}, key={self._key!r})"
+        )
+
+
+def _hash_groups(key: oprandom.Key, n: int, bands: int) -> Any:
+    """``splitmix64(seed + (i + 1) * golden) mod bands`` for ``i < n`` (numpy int64)."""
+    import numpy as np
+
+    seed = np.uint64(oprandom.generator_from_key(oprandom.fold_in(key, 2**62)).initial_seed() & (2**64 - 1))
+    with np.errstate(over="ignore"):
+        x = seed + (np.arange(1, n + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(bands)).astype(np.int64)
+
+
+class SequentialBatchSampler(_SchemeSampler):
+    """Deterministic batches: the same fixed partition into ``steps`` batches every epoch.
+
+    A permutation drawn once from ``key`` (data independent) is cut into ``steps =
+    N // batch_size`` consecutive batches of exactly ``batch_size`` indices; the last
+    ``N mod batch_size`` indices of the permutation are never used. Every epoch repeats the
+    same batches in the same order, so each example takes part at most once per epoch and its
+    participations are exactly ``steps`` apart: the ``(k, b)``-min-separation pattern with
+    ``b = steps`` that :func:`opake_compile.accounting.mf_gaussian` accounts for (no
+    amplification). Used with BLT, BISR, lambda-CGD.
+
+    Neighbouring datasets: the positions come from a permutation of all ``N`` indices, so the
+    guarantee is for datasets that differ in one example's *content* with the slots fixed
+    (the zero-out relation of DP-FTRL, Kairouz et al. 2021: the example's gradient replaced
+    by zero), not for adding or removing an example, which would move others between batches.
+
+    Divisor: ``expected_batch_size = batch_size`` (every batch has exactly that size).
+
+    Args:
+        dataset_size: N >= batch_size.
+        batch_size: indices per batch, >= 1.
+        key: the key of the one permutation.
+    """
+
+    sampling = "fixed"
+
+    def __init__(self, dataset_size: int, batch_size: int, key: oprandom.Key) -> None:
+        n = check_positive_int(dataset_size, name="dataset_size")
+        b = check_positive_int(batch_size, name="batch_size")
+        if b > n:
+            raise ConfigurationError(f"Expected batch_size={b} <= dataset_size={n}.")
+        super().__init__(n, b / n, key=key, steps=n // b)
+        self._batch_size = b
+        g = oprandom.generator_from_key(oprandom.fold_in(key, 2**62))
+        self._perm = torch.randperm(n, generator=g)
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``batch_size`` (exact)."""
+        return float(self._batch_size)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"batch_size": self._batch_size}
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        idx = self._perm[step * self._batch_size : (step + 1) * self._batch_size]
+        return idx.sort().values.tolist()
+
+    def __repr__(self) -> str:
+        return f"SequentialBatchSampler(dataset_size={self._dataset_size}, batch_size={self._batch_size}, key={self._key!r})"
+
+
+class BallsInBinsSampler(_SchemeSampler):
+    """Balls-in-bins: each epoch, every example lands in exactly one of ``steps`` batches,
+    chosen uniformly at random and independently (Chua et al. 2024, "Balls-and-bins sampling
+    for DP-SGD").
+
+    Batch sizes are Binomial(N, 1/steps) and can be empty (use ``empty_collate``). Divisor:
+    ``expected_batch_size = N / steps``. Its amplification for correlated noise is known only
+    by Monte Carlo analysis, which is not built: ``DPOptimizer`` refuses it (with the reason).
+
+    Args:
+        dataset_size: N >= 1.
+        steps: batches per epoch, >= 1.
+        key: the sampler's key.
+    """
+
+    sampling = "balls_in_bins"
+
+    def __init__(self, dataset_size: int, steps: int, key: oprandom.Key) -> None:
+        steps = check_positive_int(steps, name="steps")
+        super().__init__(dataset_size, 1.0 / steps, key=key, steps=steps)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``N / steps``."""
+        return self._dataset_size / self._steps
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        g = oprandom.generator_from_key(epoch_key)
+        bins = torch.randint(self._steps, (self._dataset_size,), generator=g)
+        return (bins == step).nonzero().flatten().tolist()
+
+    def __repr__(self) -> str:
+        return f"BallsInBinsSampler(dataset_size={self._dataset_size}, steps={self._steps}, key={self._key!r})"

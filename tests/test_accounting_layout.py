@@ -12,7 +12,7 @@ from opake_compile.dpsgd import accounting as dpsgd_acc
 
 PACKAGE = pathlib.Path(opake_compile.__file__).parent / "accounting"
 # Each module may import only modules of a lower layer (listed first).
-LAYERS = ["_bridge", "_fdp", "_budgets", "_accountant", "_process", "_mechanisms", "_calibration", "__init__"]
+LAYERS = ["_bridge", "_fdp", "_budgets", "_accountant", "_process", "_mechanisms", "_matrix", "_calibration", "__init__"]
 
 
 def _internal_imports(path: pathlib.Path) -> set[str]:

@@ -26,8 +26,8 @@ Layout (each layer imports only the ones above it, so there are no cycles):
 * ``_fdp``: f-DP views of a privacy profile; ``_budgets``: privacy budgets;
 * ``_accountant``: :class:`Accountant` (PLD or RDP), answering every query on a ``DpEvent``;
 * ``_process``: the process algebra (``*``, ``|``, queries) and generic mechanisms;
-* ``_mechanisms``: DP-SGD mechanisms and Poisson-family amplification; matrix-factorisation
-  (DP-FTRL) accounting will be a sibling module at this layer;
+* ``_mechanisms``: DP-SGD mechanisms and Poisson-family amplification; ``_matrix``, its
+  sibling: matrix-factorisation (DP-FTRL) accounting (``mf_gaussian``, ``mf_poisson``);
 * ``_calibration``: :func:`calibrate`.
 
 Edge cases: ``sample_rate = 0`` or ``k = 0`` gives epsilon = 0; ``sample_rate = 1`` equals the
@@ -82,6 +82,7 @@ from opake_compile.accounting._mechanisms import (
     parallel_poisson,
     poisson,
 )
+from opake_compile.accounting._matrix import MFPlan, mf_gaussian, mf_plan, mf_poisson
 from opake_compile.accounting._process import (
     Composed,
     EpsDeltaMechanism,
@@ -105,6 +106,11 @@ __all__ = [
     "identity",
     "nonprivate",
     "dpsgd_step_process",
+    # matrix factorisation (DP-FTRL)
+    "mf_gaussian",
+    "mf_poisson",
+    "mf_plan",
+    "MFPlan",
     "PrivacyProcess",
     "GaussianMechanism",
     "AdaClipMechanism",
