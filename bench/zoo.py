@@ -342,9 +342,8 @@ def build(name: str, size: str = "tiny", seed: int = 0):
 
 
 def fast_path_share(model: nn.Module, coverage: dict[str, str]) -> float:
-    """Fraction of trainable elements whose per-example gradient is never materialised
-    (every path but ``materialized...``), by element count."""
-    sizes = {k: p.numel() for k, p in model.named_parameters() if p.requires_grad}
-    total = sum(sizes[k] for k in coverage)
-    fast = sum(sizes[k] for k, path in coverage.items() if not path.startswith("materialized"))
-    return fast / total if total else 1.0
+    """Fraction of trainable elements whose per-example gradient is never materialised, by
+    element count (the library's ``fast_path_share`` on this model's parameter sizes)."""
+    from opake_compile.compiler.passes.rewrites import fast_path_share as share
+
+    return share(coverage, {k: p.numel() for k, p in model.named_parameters()})

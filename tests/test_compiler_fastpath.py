@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _models import loop_reference
+from _models import assert_trees_close, loop_reference
 from opake_compile import compile_dp
 from opake_compile.compiler.passes.rewrites import GhostClipping, fast_path_share, is_fast_path
 
@@ -394,3 +394,33 @@ def test_fast_path_share_or_a_measured_reason_per_layer(name):
             assert "multiply-adds" in _note(step, k) and "K <" in _note(step, k), _note(step, k)
     if name == "bag-attention-layernorm":
         assert share == 1.0, slow
+
+
+# ----------------------------------------------------------------------------- shared ids
+class _SharedIds(nn.Module):
+    """A position-style embedding: the same ids (with repeats) for every example."""
+
+    def __init__(self, pad: int | None) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(16, 4, padding_idx=pad)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.arange(x.shape[1]) % 3
+        return self.lin(x + self.pos(ids)).tanh().sum()
+
+
+@pytest.mark.parametrize("pad", [None, 1])
+def test_embedding_with_ids_shared_by_all_examples_takes_the_one_hot_path(pad):
+    # Before: "materialized (no rule matches the term computed by aten.permute.default)".
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _SharedIds(pad)
+    x = torch.randn(5, 7, 4, generator=torch.Generator().manual_seed(1))
+    loss = lambda m, x: m(x)  # noqa: E731
+    step = compile_dp(loss, model=model, clipping_norm=0.1, physical_batch_size=5, backend="aot_eager")
+    got = step(x)
+    assert got.coverage["pos.weight"] == "ghost:embedding"
+    want, norms = loop_reference(model, loss, (x,), 0.1)
+    assert bool((norms > 0.1).all())
+    assert_trees_close(got.clipped.grads, want, torch.float32)

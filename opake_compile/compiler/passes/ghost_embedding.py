@@ -17,7 +17,8 @@ materialised form. Any other use of the per-example table refuses the match.
 
 Norms become ``sum_{t,t'} [id_t == id_t'] <g_t, g_t'>`` and the clipped sum one
 ``embedding_dense_backward`` over all examples. Embeddings with ids shared by all examples
-(position embeddings) do not match and stay materialised.
+(position and token-type embeddings) take the same factor with the ids broadcast
+(:func:`_match_shared_ids`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def _offset_ids(indices: fx.Node, p: int, v: int) -> fx.Node | None:
 
 def match_embedding(em: Emitter, node: fx.Node, flipped: bool, p: int) -> Factor | None:
     """A one-hot :class:`Factor` for a vmapped embedding gradient, or ``None``."""
+    if not flipped and node.op == "call_function" and node.target is aten.permute.default:
+        return _match_shared_ids(em, node, p)
     if flipped or node.op != "call_function" or node.target not in _VIEWS:
         return None
     edb = node.args[0]
@@ -81,6 +84,37 @@ def match_embedding(em: Emitter, node: fx.Node, flipped: bool, p: int) -> Factor
     a = em(aten.reshape.default, ids, [p, k])
     b = em(aten.reshape.default, grad, [p, k, d])
     return Factor(rule=RULE, a=a, b=b, rows=v, onehot=True, padding_idx=padding_idx, cleanup=cleanup)
+
+
+def _match_shared_ids(em: Emitter, node: fx.Node, p: int) -> Factor | None:
+    """Ids shared by every example (position and token-type embeddings: ``arange(T)`` or a
+    buffer). vmap's rule for unbatched ids folds the examples into the columns:
+
+        pattern:     permute(view(embedding_dense_backward(g2, ids, V, pad, False), [V, P, d]),
+                             [1, 0, 2]),   ids of any shape S with T elements, g2 (*S, P*d)
+        replacement: Factor(a=expand(ids, (P, T)) one-hot over V rows, b=g2 as (P, T, d))
+
+    Example i's table scatters its own column block of ``g2``; ``pad`` (the embedding's
+    ``padding_idx``, -1 for none) passes through unchanged."""
+    if list(node.args[1]) != [1, 0, 2] or len(shape(node)) != 3 or shape(node)[0] != p:
+        return None
+    _, v, d = shape(node)
+    view = node.args[0]
+    if not isinstance(view, fx.Node) or view.target not in _VIEWS or list(shape(view)) != [v, p, d]:
+        return None
+    edb = view.args[0]
+    if not isinstance(edb, fx.Node) or edb.target is not aten.embedding_dense_backward.default:
+        return None
+    grad, ids, num_weights, padding_idx, scale_by_freq = edb.args[:5]
+    if scale_by_freq or num_weights != v or list(shape(grad)) != [*shape(ids), p * d]:
+        return None
+    if any(isinstance(u.target, torch._ops.OpOverload) and u.target._schema.is_mutable for u in (*view.users, *node.users)):
+        return None
+    t = math.prod(shape(ids))
+    a = em(aten.expand.default, em(aten.reshape.default, ids, [1, t]), [p, t])
+    b = em(aten.permute.default, em(aten.reshape.default, grad, [t, p, d]), [1, 0, 2])
+    pad = None if padding_idx is None or padding_idx < 0 else int(padding_idx)
+    return Factor(rule=RULE, a=a, b=b, rows=v, onehot=True, padding_idx=pad)
 
 
 def _padding_row_zeroing(table: fx.Node) -> tuple[int, tuple[fx.Node, ...]] | None | bool:
