@@ -306,9 +306,11 @@ def test_embedding_padding_idx_rows_get_zero_gradient():
     assert float(got.clipped.grads["tok.weight"][0].abs().max()) == 0.0
 
 
-def test_position_embedding_shared_ids_stays_materialized():
+def test_position_embedding_shared_ids_takes_the_embedding_rule():
+    # Ids shared by every example: the one-hot factor with the ids broadcast (materialised
+    # before), equal to the materialised path.
     model = _build(lambda: TokenModel(seq=4))
-    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB, "pos.weight": MAT} | HEAD)
+    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB, "pos.weight": EMB} | HEAD)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 3])
