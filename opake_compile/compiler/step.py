@@ -140,6 +140,8 @@ class _SizePlan:
         g = self._grid.get(m)
         if g is not None:
             return g
+        if not 1 <= m <= self.max_rows:
+            raise ValueError(f"grid_point needs 1 <= m <= {self.max_rows}, got {m}")  # internal: plan() never asks
         g = self.anchor
         if m > g:
             while g < m:
@@ -286,10 +288,10 @@ class DPStep:
             self._plan.set_anchor(n)
             chunks = self._plan.plan(n)
             graphs = {p: self._get_compiled((base, p), args, batched, p) for _, p in chunks}
+            result = self._run(graphs, chunks, args, batched, n, params, buffers)  # lowers on first use
         except BaseException:
             self._plan.undo(undo)  # a batch that cannot be traced or compiled leaves no size behind
             raise
-        result = self._run(graphs, chunks, args, batched, n, params, buffers)
         self._num_calls += 1
         return result
 
