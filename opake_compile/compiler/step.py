@@ -464,17 +464,19 @@ class DPStep:
             state.append((params if kind == "param" else buffers)[name].detach())
         device = state[0].device
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
-        kinds = layout.leaf_kinds
+        kinds = [k for k in layout.leaf_kinds if k != "const"]
+        flat = [l for l, k in zip(optree.tree_leaves(args, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
         sums: list[torch.Tensor] | None = None
         norms, losses, kept_all = [], [], []
         start = 0
         for m, p in chunks:
             compiled = graphs[p]
-            # A batch of exactly P rows is its own single chunk: no slicing, no padding.
-            chunk = args if m == n == p else _pad_args(args, batched, start, m, p)
+            if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
+                leaves = flat
+            else:
+                leaves = [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
             start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
-            leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), kinds) if k != "const"]
             with torch.no_grad(), self._rng_scope(compiled, device):
                 out = compiled.fn(*state, clip, mask, *leaves)
             loss_c, norm_c, kept_c, *sum_c = out
@@ -495,6 +497,15 @@ class DPStep:
         )
         loss = cat(losses).mean()
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(first.coverage))
+
+    @staticmethod
+    def _rows(i: int, x: torch.Tensor, start: int, m: int, p: int) -> torch.Tensor:
+        """Rows ``start:start+m`` of a batched leaf, zero-padded to ``p`` rows (a fresh tensor:
+        the step keeps no copy of a batch between calls)."""
+        rows = x[start : start + m]
+        if m == p:
+            return rows
+        return torch.cat([rows, rows.new_zeros((p - m, *x.shape[1:]))], dim=0)
 
     def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Small input tensors (C, masks) built once per device and size, never written to."""
