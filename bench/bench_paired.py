@@ -7,9 +7,16 @@ shared 2-core machine the same row can move by 30 % from one minute to the next.
 three steps of a model are built in one process and called in rotating order, round after
 round, so every round sees the same load; the ratio of medians and the median of per-round
 ratios are what the speed targets are judged on. Rows: np_compiled_grad, np_compiled_backward,
-dp_default (compile_dp's defaults) and dp_fused (GhostClipping(bookkeeping="fused")).
+dp_default (compile_dp's defaults: physical sizes are buckets anchored at the first batch),
+dp_p_eq_b (physical_batch_size = B: one graph) and dp_fused (GhostClipping(bookkeeping="fused"),
+P = B).
 
-    python bench/bench_paired.py --models mlp,transformer --rounds 40
+``--poisson K`` adds a second table: the same DP step at default settings and the non-private
+step, each called on K Poisson-sampled batch sizes in turn (the non-private step is a
+``torch.compile`` with dynamic shapes, warmed on every size); the ratio is the realised cost of
+a Poisson batch against the fastest non-private step on that same batch.
+
+    python bench/bench_paired.py --models mlp,transformer --rounds 40 --poisson 6
 
 Models and batches are those of bench_step.py (same builders, same seeds). Memory is not
 measured here (see bench_step.py's peak-memory columns).
@@ -49,9 +56,12 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     closs = torch.compile(lambda *a: spec.loss_fn(model, *a))
     from opake_compile.compiler.passes.rewrites import GhostClipping
 
-    kw = dict(model=model, clipping_norm=ns.clip, physical_batch_size=spec.batch_size, backend="inductor")
-    dp = opake.compile_dp(spec.loss_fn, **kw)
-    dp_fused = opake.compile_dp(spec.loss_fn, rewrites=[GhostClipping(bookkeeping="fused")], **kw)
+    kw = dict(model=model, clipping_norm=ns.clip, backend="inductor")
+    dp = opake.compile_dp(spec.loss_fn, **kw)  # the defaults a user gets
+    dp_pb = opake.compile_dp(spec.loss_fn, physical_batch_size=spec.batch_size, **kw)
+    dp_fused = opake.compile_dp(
+        spec.loss_fn, rewrites=[GhostClipping(bookkeeping="fused")], physical_batch_size=spec.batch_size, **kw
+    )
 
     def np_grad() -> None:
         with torch.no_grad():
@@ -64,13 +74,17 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     def dp_step() -> None:
         dp(*args)
 
+    def dp_pb_step() -> None:
+        dp_pb(*args)
+
     def dp_fused_step() -> None:
         dp_fused(*args)
 
     steps = {
         "np_compiled_grad": np_grad, "np_compiled_backward": np_backward,
-        "dp_default": dp_step, "dp_fused": dp_fused_step,
+        "dp_default": dp_step, "dp_p_eq_b": dp_pb_step, "dp_fused": dp_fused_step,
     }
+    dp_rows = ("dp_default", "dp_p_eq_b", "dp_fused")
     for fn in steps.values():  # compile, then warm up
         for _ in range(1 + ns.warmup):
             fn()
@@ -86,11 +100,62 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
             times[k].append((time.perf_counter() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = min(("np_compiled_grad", "np_compiled_backward"), key=lambda k: med[k])
-    ratios = {k: med[k] / med[base] for k in ("dp_default", "dp_fused")}
-    rounds = {k: statistics.median([d / b for d, b in zip(times[k], times[base])]) for k in ("dp_default", "dp_fused")}
-    return {
+    ratios = {k: med[k] / med[base] for k in dp_rows}
+    rounds = {k: statistics.median([d / b for d, b in zip(times[k], times[base])]) for k in dp_rows}
+    out = {
         "model": name, "description": spec.description, "median_ms": med, "min_ms": {k: min(v) for k, v in times.items()},
         "baseline": base, "ratio_of_medians": ratios, "median_round_ratio": rounds, "coverage": dict(dp.coverage),
+    }
+    if ns.poisson:
+        out["poisson"] = run_poisson(bs, spec, dp, loss, model, ns)
+    return out
+
+
+def run_poisson(bs: Any, spec: Any, dp: Any, loss: Any, model: Any, ns: argparse.Namespace) -> dict[str, Any]:
+    """dp (default settings, already anchored at B) against the fastest compiled non-private step
+    on the same Poisson-size batches, paired per batch, rotating the order."""
+    import torch
+
+    sync = bs._sync(ns.device)
+    g = torch.Generator().manual_seed(4)
+    sizes = bs.poisson_sizes(spec.batch_size)[: ns.poisson]
+    batches = [tuple(a.to(ns.device) for a in spec.make_batch(n, g)) for n in sizes]
+    params = {k: p.detach() for k, p in bs._trainable(model).items()}
+    cgrad = torch.compile(lambda p, *a: torch.func.grad(loss)(p, *a), dynamic=True)
+    closs = torch.compile(lambda *a: spec.loss_fn(model, *a), dynamic=True)
+
+    def np_grad(b: tuple) -> None:
+        with torch.no_grad():
+            cgrad(params, *b)
+
+    def np_backward(b: tuple) -> None:
+        model.zero_grad(set_to_none=True)
+        closs(*b).backward()
+
+    steps = {"np_compiled_grad": np_grad, "np_compiled_backward": np_backward, "dp_default": dp}
+    for fn in steps.values():
+        for b in batches:
+            for _ in range(2):
+                fn(*b) if fn is dp else fn(b)
+        sync()
+    per: dict[str, list[float]] = {k: [] for k in steps}
+    order = list(steps)
+    for r in range(ns.rounds):
+        rot = order[r % len(order):] + order[: r % len(order)]
+        for k in rot:
+            t0 = time.perf_counter()
+            for b in batches:
+                steps[k](*b) if k == "dp_default" else steps[k](b)
+            sync()
+            per[k].append((time.perf_counter() - t0) * 1e3)
+    med = {k: statistics.median(v) for k, v in per.items()}
+    base = min(("np_compiled_grad", "np_compiled_backward"), key=lambda k: med[k])
+    padded = sum(p - m for n in sizes for m, p in dp.plan(n))
+    return {
+        "sizes": sizes, "median_ms": med, "baseline": base, "ratio": med["dp_default"] / med[base],
+        "round_ratio": statistics.median([d / b for d, b in zip(per["dp_default"], per[base])]),
+        "padded_rows": padded, "rows": sum(sizes), "physical_sizes": dp.physical_sizes,
+        "compiles": dp.num_backend_compiles,
     }
 
 
@@ -102,21 +167,34 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0, help="clipping norm C (timing does not depend on it)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    p.add_argument("--poisson", type=int, default=0, help="also time K Poisson batch sizes at default settings")
     ns = p.parse_args()
     bs = _bench_step()
     import torch
 
     print(f"# bench_paired torch={torch.__version__} threads={torch.get_num_threads()} rounds={ns.rounds} "
           f"device={ns.device} loadavg={os.getloadavg()}", flush=True)
-    print("| model | np_compiled_grad ms | np_compiled_backward ms | dp_default ms | dp_fused ms "
-          "| dp_default / fastest np (medians; per round) | dp_fused / fastest np (medians; per round) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | np_compiled_grad ms | np_compiled_backward ms | dp_default ms | dp_p_eq_b ms | dp_fused ms "
+          "| dp_default / fastest np (medians; per round) | dp_p_eq_b / fastest np | dp_fused / fastest np |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    poisson = []
     for name in [m for m in ns.models.split(",") if m]:
         r = run_model(bs, name, ns)
         m, q, pr = r["median_ms"], r["ratio_of_medians"], r["median_round_ratio"]
+        cells = " | ".join(f"{q[k]:.3f}; {pr[k]:.3f}" for k in ("dp_default", "dp_p_eq_b", "dp_fused"))
         print(f"| {name} | {m['np_compiled_grad']:.2f} | {m['np_compiled_backward']:.2f} | {m['dp_default']:.2f} | "
-              f"{m['dp_fused']:.2f} | {q['dp_default']:.3f}; {pr['dp_default']:.3f} | "
-              f"{q['dp_fused']:.3f}; {pr['dp_fused']:.3f} |", flush=True)
+              f"{m['dp_p_eq_b']:.2f} | {m['dp_fused']:.2f} | {cells} |", flush=True)
+        if "poisson" in r:
+            poisson.append((name, r["poisson"]))
+    if poisson:
+        print("\n| model | Poisson sizes | padded rows / rows | physical sizes (compiles) | dp_default ms | fastest np ms "
+              "| dp_default / fastest np (medians; per round) |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in poisson:
+            m = r["median_ms"]
+            print(f"| {name} | {r['sizes']} | {r['padded_rows']} / {r['rows']} | {list(r['physical_sizes'])} "
+                  f"({r['compiles']}) | {m['dp_default']:.2f} | {m[r['baseline']]:.2f} | "
+                  f"{r['ratio']:.3f}; {r['round_ratio']:.3f} |", flush=True)
     print(f"# loadavg end {os.getloadavg()}")
 
 

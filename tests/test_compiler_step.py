@@ -217,10 +217,12 @@ def test_default_physical_batch_size_is_set_from_first_batch():
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend=None)
     assert step.physical_batch_size is None
     step(*case.make_batch(10, 0))
-    p = step.physical_batch_size
+    p = step.physical_batch_size  # the most rows one chunk holds
     assert p % 8 == 0 and p >= 10 + 3 * math.sqrt(10)
-    step(*case.make_batch(p + 5, 1))  # chunked, same graph
-    assert step.num_traces == 1
+    assert step.physical_sizes == (10,)  # the first batch's own size: no padding
+    out = step(*case.make_batch(p + 5, 1))  # chunked: p rows, then 5 rows
+    assert step.plan(p + 5) == ((p, p), (5, 5)) and out.clipped.num_examples == p + 5
+    assert step.num_traces == 3
 
 
 def test_retrace_on_new_partition_or_mode():

@@ -1,10 +1,29 @@
 """``compile_dp``: the compiled per-example DP step, tying the three stages together.
 
-trace (:mod:`.trace`) -> passes (:mod:`.passes`) -> lower (:mod:`.lower`), plus what makes a
-compiled graph usable with Poisson sampling: every logical batch is split into chunks of a
-fixed physical size P, each padded with a 0/1 mask (padded rows contribute exactly zero), so the
-graph never recompiles for a new batch size; the chunks' clipped sums are added, and the
-optimizer receives one :class:`ClippedPytree` per logical batch.
+trace (:mod:`.trace`) -> passes (:mod:`.passes`) -> lower (:mod:`.lower`), plus what makes
+compiled graphs usable with Poisson sampling. Graphs have static shapes, so each physical batch
+size P needs its own graph. A logical batch is cut into chunks, each padded to a physical size
+with a 0/1 mask (padded rows contribute exactly zero); the chunks' clipped sums are added, and
+the optimizer receives one :class:`ClippedPytree` per logical batch.
+
+Physical sizes (see :class:`_SizePlan`): with an explicit ``physical_batch_size`` every chunk
+has that one size (one graph). By default the sizes are *buckets* on a geometric grid of ratio
+1.05 anchored at the first batch's size n0, compiled lazily when first needed and capped in
+number: a chunk of m rows runs at the smallest grid size >= m, so padding is under 5 % of the
+work, a batch of exactly n0 rows never pads, and once the cap is reached no further graph is
+ever compiled (chunks then run at the nearest compiled size, padding more).
+
+Why buckets rather than a symbolic batch dimension: under ``vmap`` the backward of
+``gather``/``cross_entropy``, embedding, layer norm and convolution specialise the batch size,
+(measured on torch 2.13: a compiled vmap step recompiles for each new batch size even with
+``dynamic=True``), and the rewrite passes read static sizes from ``node.meta['val']``; buckets
+keep every graph static and every pass unchanged.
+
+Privacy of the sizes: which bucket a batch uses is a function of its realised size, which
+``ClippedPytree.num_examples`` already returns and documents as *not privatised* (as are the
+chunk count and the step's running time, which already depended on it). The released value,
+the noisy sum, does not depend on the bucket beyond floating-point rounding: padded rows are
+selected away and every path's sensitivity bound holds at every physical size.
 """
 
 from __future__ import annotations
@@ -68,6 +87,105 @@ def _default_physical_batch_size(n: int) -> int:
     return max(8, int(math.ceil((n + 3 * math.sqrt(n)) / 8.0)) * 8)
 
 
+#: Padding bound of the default buckets: a chunk of m rows runs at a size <= BUCKET_RATIO * m.
+BUCKET_RATIO = 1.05
+#: Default cap on the number of physical sizes one step compiles (``max_physical_sizes``).
+DEFAULT_MAX_PHYSICAL_SIZES = 24
+
+
+class _SizePlan:
+    """Which physical size each chunk of a logical batch runs at.
+
+    ``fixed`` (an explicit ``physical_batch_size`` P): chunks of P rows, the last one padded.
+    Otherwise buckets anchored at ``anchor`` (the first non-empty batch size n0): the grid holds
+    n0, and above it ``g -> min(floor(r (g + 1)), max_rows)``, below it
+    ``g -> ceil(g / r) - 1`` (r = :data:`BUCKET_RATIO`), so a chunk of m rows is padded to the
+    smallest grid point g >= m with ``g <= r m``. Chunks hold at most ``max_rows``
+    (n0 + 3 sqrt(n0) rounded up to 8: the old single size, which bounds memory). Sizes are
+    compiled lazily; once ``max_sizes`` sizes are in use, a chunk takes the smallest size in use
+    that holds it (or the largest, and the rest goes to further chunks), so the number of
+    graphs never exceeds the cap. Plans are memoised per batch size (Python work per call).
+    """
+
+    def __init__(self, fixed: int | None, max_sizes: int) -> None:
+        self.fixed = fixed
+        self.max_sizes = max_sizes
+        self.anchor: int | None = None
+        self.max_rows: int | None = fixed
+        self.sizes: set[int] = set() if fixed is None else {fixed}
+        self._grid: dict[int, int] = {}
+        self._plans: dict[int, tuple[tuple[int, int], ...]] = {}
+
+    def undo_point(self) -> tuple[int | None, int | None, int, int]:
+        return (self.anchor, self.max_rows, len(self.sizes), len(self._plans))
+
+    def undo(self, point: tuple[int | None, int | None, int, int]) -> None:
+        """Forget what was planned after ``point`` (a failed call's sizes and anchor)."""
+        anchor, max_rows, n_sizes, n_plans = point
+        if len(self.sizes) == n_sizes and len(self._plans) == n_plans and self.anchor == anchor:
+            return
+        self.anchor, self.max_rows = anchor, max_rows
+        if anchor is None:
+            self._grid.clear()
+        keep = list(self._plans.items())[:n_plans]
+        self._plans = dict(keep)
+        self.sizes = {p for _, chunks in keep for _, p in chunks} | ({self.fixed} if self.fixed else set())
+
+    def set_anchor(self, n: int) -> None:
+        if self.fixed is None and self.anchor is None:
+            self.anchor = n
+            self.max_rows = _default_physical_batch_size(n)
+
+    def grid_point(self, m: int) -> int:
+        """The smallest grid size >= ``m`` (1 <= m <= max_rows)."""
+        g = self._grid.get(m)
+        if g is not None:
+            return g
+        if not 1 <= m <= self.max_rows:
+            raise ValueError(f"grid_point needs 1 <= m <= {self.max_rows}, got {m}")  # internal: plan() never asks
+        g = self.anchor
+        if m > g:
+            while g < m:
+                g = min(int(math.floor(BUCKET_RATIO * (g + 1))), self.max_rows)
+        else:
+            while True:
+                lower = int(math.ceil(g / BUCKET_RATIO)) - 1
+                if lower < m:
+                    break
+                g = lower
+        self._grid[m] = g
+        return g
+
+    def _size_for(self, m: int) -> int:
+        if m in self.sizes:
+            return m
+        g = self.grid_point(m)
+        if g in self.sizes or len(self.sizes) < self.max_sizes:
+            return g
+        holding = [s for s in self.sizes if s >= m]
+        return min(holding) if holding else max(self.sizes)
+
+    def plan(self, n: int) -> tuple[tuple[int, int], ...]:
+        """``((rows, physical size), ...)`` for a batch of ``n >= 1`` rows; registers the sizes."""
+        hit = self._plans.get(n)
+        if hit is not None:
+            return hit
+        if self.fixed is not None:
+            p = self.fixed
+            out = tuple((min(p, n - s), p) for s in range(0, n, p))
+        else:
+            chunks, rest = [], n
+            while rest > 0:
+                size = self._size_for(min(rest, self.max_rows))
+                m = min(rest, size)
+                chunks.append((m, size))
+                rest -= m
+            out = tuple(chunks)
+        self.sizes.update(p for _, p in out)
+        self._plans[n] = out
+        return out
+
+
 class DPStep:
     """A compiled DP-SGD gradient step. Build it with :func:`compile_dp`.
 
@@ -86,6 +204,7 @@ class DPStep:
         backend: str | Callable[..., Any] | None,
         key: Any,
         rewrites: Sequence[Callable[..., PassReport]] | None,
+        max_physical_sizes: int = DEFAULT_MAX_PHYSICAL_SIZES,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise InputTypeError(f"Expected model to be a torch.nn.Module, got {type(model).__name__}.")
@@ -100,9 +219,8 @@ class DPStep:
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in batch_argnums):
                 raise InputTypeError(f"Expected batch_argnums to be non-negative ints, got {batch_argnums!r}.")
         self.batch_argnums = batch_argnums
-        self.physical_batch_size = (
-            None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
-        )
+        fixed = None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
+        self._plan = _SizePlan(fixed, check_positive_int(max_physical_sizes, name="max_physical_sizes"))
         self.backend = backend
         self._key = _random.random_key() if key is None else key
         self._rewrites = list(rewrites) if rewrites is not None else _default_rewrites()
@@ -118,6 +236,30 @@ class DPStep:
         """C, fixed for the life of the step (read-only: the graph and the reported C must
         never disagree, or noise would be calibrated to the wrong sensitivity)."""
         return self._clipping_norm
+
+    @property
+    def physical_batch_size(self) -> int | None:
+        """The most rows one chunk holds: the explicit ``physical_batch_size``, or by default
+        n0 + 3 sqrt(n0) rounded up to 8 for the first non-empty batch size n0 (None before it)."""
+        return self._plan.max_rows
+
+    @property
+    def physical_sizes(self) -> tuple[int, ...]:
+        """The physical batch sizes in use so far, ascending (each is one compiled graph per
+        input signature). At most ``max_physical_sizes`` by default, one with an explicit
+        ``physical_batch_size``."""
+        return tuple(sorted(self._plan.sizes))
+
+    def plan(self, n: int) -> tuple[tuple[int, int], ...]:
+        """``((rows, physical size), ...)``: how a batch of ``n`` rows would be cut and padded
+        now (``()`` for ``n = 0``). Planning registers the sizes it uses, so call it only with
+        sizes the step will see; :meth:`__call__` plans the same way. Padded rows in a step:
+        ``sum(p - m for m, p in step.plan(n))``."""
+        if n == 0:
+            return ()
+        n = check_positive_int(n, name="n")
+        self._plan.set_anchor(n)
+        return self._plan.plan(n)
 
     @property
     def num_backend_compiles(self) -> int:
@@ -141,12 +283,16 @@ class DPStep:
         if n == 0:
             self._num_calls += 1
             return self._empty_result(params, trainable)
-        if self.physical_batch_size is None:
-            self.physical_batch_size = _default_physical_batch_size(n)
-        p = self.physical_batch_size
-        sig = self._signature(args, batched, trainable, p, params, modes)
-        compiled = self._get_compiled(sig, args, batched, p)
-        result = self._run(compiled, args, batched, n, params, buffers, trainable)
+        base = self._signature(args, batched, trainable, params, modes)
+        undo = self._plan.undo_point()
+        try:
+            self._plan.set_anchor(n)
+            chunks = self._plan.plan(n)
+            graphs = {p: self._get_compiled((base, p), args, batched, p) for _, p in chunks}
+            result = self._run(graphs, chunks, args, batched, n, params, buffers)  # lowers on first use
+        except BaseException:
+            self._plan.undo(undo)  # a batch that cannot be traced or compiled leaves no size behind
+            raise
         self._num_calls += 1
         return result
 
@@ -204,7 +350,10 @@ class DPStep:
 
     def describe(self) -> str:
         """Which path each trainable parameter took, and what each pass did, as text."""
-        lines = [f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, backend={self.backend!r})"]
+        lines = [
+            f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, "
+            f"physical_sizes={list(self.physical_sizes)}, backend={self.backend!r})"
+        ]
         if not self._cache:
             lines.append("  not traced yet: call the step once.")
         for i, c in enumerate(self._cache.values()):
@@ -238,9 +387,13 @@ class DPStep:
         if not self._cache or self.physical_batch_size is None:
             return None
         batched = self._batched_positions(len(args))
+        n = check_batch_size(args, batched)
+        if n == 0:
+            return None
         params, _, modes = _model_state(self.model)
         trainable = tuple(k for k, p in params.items() if p.requires_grad)
-        return self._cache.get(self._signature(args, batched, trainable, self.physical_batch_size, params, modes))
+        base = self._signature(args, batched, trainable, params, modes)
+        return self._cache.get((base, self._plan.plan(n)[0][1]))
 
     def _batched_positions(self, nargs: int) -> tuple[int, ...]:
         if self.batch_argnums is None:
@@ -255,7 +408,6 @@ class DPStep:
         args: tuple,
         batched: tuple[int, ...],
         trainable: tuple[str, ...],
-        p: int,
         params: dict[str, torch.Tensor],
         modes: tuple[bool, ...],
     ) -> Any:
@@ -272,7 +424,7 @@ class DPStep:
                 except TypeError:
                     parts.append(("const", repr(leaf)))
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
-        return (treedef, tuple(parts), trainable, model_state, modes, p)
+        return (treedef, tuple(parts), trainable, model_state, modes)
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
@@ -300,37 +452,43 @@ class DPStep:
 
     def _run(
         self,
-        compiled: _Compiled,
+        graphs: dict[int, _Compiled],
+        chunks: tuple[tuple[int, int], ...],
         args: tuple,
         batched: tuple[int, ...],
         n: int,
         params: dict[str, torch.Tensor],
         buffers: dict[str, torch.Tensor],
-        trainable: tuple[str, ...],
     ) -> DPStepResult:
-        layout = compiled.traced.layout
-        p = layout.physical_batch_size
+        first = graphs[chunks[0][1]]
+        layout = first.traced.layout  # parameter partition and argument layout: the same in every graph
         state = [params[k].detach() for k in layout.trainable]
         for key in layout.others:
             kind, name = key.split(":", 1)
             state.append((params if kind == "param" else buffers)[name].detach())
         device = state[0].device
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
+        kinds = [k for k in layout.leaf_kinds if k != "const"]
+        flat = [l for l, k in zip(optree.tree_leaves(args, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
         sums: list[torch.Tensor] | None = None
         norms, losses, kept_all = [], [], []
         draws = self._batch_draws(layout.batch_draws, device)
-        for start in range(0, n, p):
-            m = min(p, n - start)
-            # A batch of exactly P rows is its own single chunk: no slicing, no padding.
-            chunk = args if n == p else _pad_args(args, batched, start, m, p)
+        start = 0
+        for m, p in chunks:
+            compiled = graphs[p]
+            if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
+                leaves = flat
+            else:
+                leaves = [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
+            start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
-            leaves = [l for l, k in zip(optree.tree_leaves(chunk, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
             with torch.no_grad(), self._rng_scope(compiled, device):
                 out = compiled.fn(*state, clip, mask, *leaves, *draws)
             loss_c, norm_c, kept_c, *sum_c = out
-            losses.append(loss_c[:m])
-            norms.append(norm_c[:m])
-            kept_all.append(kept_c[:m])
+            if m == p:
+                losses.append(loss_c), norms.append(norm_c), kept_all.append(kept_c)
+            else:
+                losses.append(loss_c[:m]), norms.append(norm_c[:m]), kept_all.append(kept_c[:m])
             sums = list(sum_c) if sums is None else [a + b for a, b in zip(sums, sum_c)]
         cat = (lambda parts: parts[0]) if len(losses) == 1 else torch.cat
         kept = cat(kept_all)
@@ -343,7 +501,16 @@ class DPStep:
             parameters={k: params[k] for k in layout.trainable},
         )
         loss = cat(losses).mean()
-        return DPStepResult(loss=loss, clipped=clipped, coverage=dict(compiled.coverage))
+        return DPStepResult(loss=loss, clipped=clipped, coverage=dict(first.coverage))
+
+    @staticmethod
+    def _rows(i: int, x: torch.Tensor, start: int, m: int, p: int) -> torch.Tensor:
+        """Rows ``start:start+m`` of a batched leaf, zero-padded to ``p`` rows (a fresh tensor:
+        the step keeps no copy of a batch between calls)."""
+        rows = x[start : start + m]
+        if m == p:
+            return rows
+        return torch.cat([rows, rows.new_zeros((p - m, *x.shape[1:]))], dim=0)
 
     def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Small input tensors (C, masks) built once per device and size, never written to."""
@@ -456,6 +623,7 @@ def compile_dp(
     backend: str | Callable[..., Any] | None = "inductor",
     key: Any = None,
     rewrites: Sequence[Callable[..., PassReport]] | None = None,
+    max_physical_sizes: int = DEFAULT_MAX_PHYSICAL_SIZES,
 ) -> DPStep | Callable[[Callable[..., Any]], DPStep]:
     """Compile a batch loss into a DP-SGD step: per-example gradients of the trainable
     parameters, each clipped to L2 norm ``clipping_norm``, summed (Abadi et al. 2016).
@@ -468,8 +636,12 @@ def compile_dp(
     with ghost norms and book-keeping, Li et al. 2022 / Bu et al. 2023), and lowers the graph
     through ``backend``.
 
-    Batches of any size run on one compiled graph: each logical batch is cut into chunks of
-    ``physical_batch_size`` rows, padded with masked rows that contribute exactly zero.
+    Batches of any size run without recompiling once warmed up: each logical batch is cut into
+    chunks, each padded with masked rows that contribute exactly zero. With an explicit
+    ``physical_batch_size`` P every chunk has P rows (one graph; a batch of n < P rows pays for
+    P). By default the chunk sizes are buckets, compiled lazily, with padding under 5 % of the
+    work (a batch of the first batch's size never pads) and at most ``max_physical_sizes``
+    graphs (see :meth:`DPStep.plan`).
 
     Args:
         loss_fn: the batch loss. Omit it to use ``compile_dp`` as a decorator.
@@ -479,8 +651,12 @@ def compile_dp(
             warns that the result is not private.
         batch_argnums: positions (in ``step(*args)``) of the batched arguments; ``None``: all.
             Other arguments are broadcast to every example.
-        physical_batch_size: rows per compiled chunk P. Default: set from the first non-empty
-            batch n as n + 3 sqrt(n) rounded up to a multiple of 8.
+        physical_batch_size: rows per compiled chunk P, for exactly one graph. Default
+            (``None``): buckets on a geometric grid of ratio 1.05 anchored at the first
+            non-empty batch size n0, at most n0 + 3 sqrt(n0) (rounded up to 8) rows per chunk.
+        max_physical_sizes: the most bucket sizes (graphs per input signature) the default
+            compiles; past it, chunks run at the nearest compiled size (more padding, no
+            compile). Ignored with an explicit ``physical_batch_size``.
         backend: ``"inductor"`` (default), ``"aot_eager"`` (cheap, for tests), any
             ``torch.compile`` backend, or ``None`` to run the FX graph unlowered.
         key: an :mod:`opake_compile.random` key for randomness inside the loss (dropout);
@@ -522,6 +698,7 @@ def compile_dp(
             backend=backend,
             key=key,
             rewrites=rewrites,
+            max_physical_sizes=max_physical_sizes,
         )
 
     return build if loss_fn is None else build(loss_fn)

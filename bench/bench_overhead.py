@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Per-call overhead of ``DPStep``: the Python around the compiled graph.
+
+Each call of the step is timed whole, and the compiled graph inside it is timed on its own (a
+thin timer wrapped around the graph's callable); the difference is the overhead: argument
+checks, the model-state walk, the signature, the size plan, slicing and padding, the masks,
+assembling the :class:`ClippedPytree` and the one host read of the non-finite count. Both
+figures come from the same calls, so machine load moves them together. Reported as a share of
+the whole step (target: <= 2 % on the MLP 256-512-512-10, B = 256), and as CPU time of the
+calling thread (``time.thread_time``): the overhead is single-threaded Python, and its CPU time
+does not grow when other processes take the cores (wall-clock shares do, on a loaded machine).
+
+    python bench/bench_overhead.py                 # MLP, B = 256, fixed batch and Poisson sizes
+    python bench/bench_overhead.py --device cuda   # the same on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _bench_step() -> Any:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_step.py")
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_step"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Timed:
+    """Wraps a compiled graph; adds the seconds spent inside it to ``total``."""
+
+    def __init__(self, fn: Any, sync: Any) -> None:
+        self.fn, self.sync, self.total, self.cpu = fn, sync, 0.0, 0.0
+
+    def __call__(self, *a: Any) -> Any:
+        self.sync()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self.fn(*a)
+        self.sync()
+        self.total += time.perf_counter() - t0
+        self.cpu += time.thread_time() - c0
+        return out
+
+
+def measure(step: Any, batches: list[tuple], rounds: int, sync: Any) -> tuple[float, float, float, float]:
+    """Medians over ``rounds`` passes over ``batches``: (step ms, overhead share of the wall
+    time, step CPU ms of this thread, overhead CPU microseconds of this thread)."""
+    for b in batches:  # compile every size first
+        step(*b)
+    timers = []
+    for c in step._cache.values():
+        if not isinstance(c.fn, _Timed):
+            c.fn = _Timed(c.fn, sync)
+        timers.append(c.fn)
+    steps, shares, cpus, over = [], [], [], []
+    for _ in range(rounds):
+        for b in batches:
+            inner0, cin0 = sum(t.total for t in timers), sum(t.cpu for t in timers)
+            sync()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            step(*b)
+            sync()
+            whole, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            inner, cin = sum(t.total for t in timers) - inner0, sum(t.cpu for t in timers) - cin0
+            steps.append(whole * 1e3)
+            shares.append((whole - inner) / whole)
+            cpus.append(cpu * 1e3)
+            over.append((cpu - cin) * 1e6)
+    return statistics.median(steps), statistics.median(shares), statistics.median(cpus), statistics.median(over)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="mlp", help="a bench_step.py model name")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
+    ns = p.parse_args()
+    bs = _bench_step()
+    import torch
+
+    import opake_compile as opake
+
+    spec, args = bs.build(ns.model, ns.quick, ns.device)
+    sync = bs._sync(ns.device)
+    g = torch.Generator().manual_seed(3)
+    sizes = bs.poisson_sizes(spec.batch_size)[:6]
+    poisson = [tuple(a.to(ns.device) for a in spec.make_batch(n, g)) for n in sizes]
+    print(f"# bench_overhead torch={torch.__version__} threads={torch.get_num_threads()} device={ns.device} "
+          f"loadavg={os.getloadavg()}", flush=True)
+    print("| model | batches | step ms (wall) | overhead share of wall | step CPU ms (this thread) | overhead CPU us |")
+    print("|---|---|---|---|---|---|")
+    for label, batches in (("fixed B", [args]), (f"Poisson sizes {sizes}", poisson)):
+        step = opake.compile_dp(spec.loss_fn, model=spec.model, clipping_norm=1.0)
+        step(*args)  # anchor the buckets at the expected batch size
+        ms, share, cpu, over = measure(step, batches, ns.rounds, sync)
+        print(f"| {spec.description} | {label} | {ms:.2f} | {100 * share:.2f} % | {cpu:.2f} | {over:.0f} |", flush=True)
+    print(f"# loadavg end {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Poisson batch sizes under ``compile_dp``'s default bucketed physical sizes.
+
+Everything is counted, never timed: compiled graphs (a counting backend that returns the graph
+unchanged), padded rows per step (``DPStep.plan``), and the results against the same batch run
+at ``physical_batch_size = b`` and against the eager oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import opake_compile as opake
+from _models import assert_trees_close, mlp_case, reference_clipped
+from opake_compile import compile_dp
+from opake_compile.compiler.step import BUCKET_RATIO, DEFAULT_MAX_PHYSICAL_SIZES, _SizePlan
+from opake_compile.exceptions import UnsupportedOperationError
+from opake_compile.sampling import PoissonSampler
+
+
+def _passthrough(gm, example_inputs):  # a backend that compiles nothing: counted by DPStep
+    return gm
+
+
+def _padded(step, n: int) -> int:
+    return sum(p - m for m, p in step.plan(n))
+
+
+@pytest.mark.parametrize("anchor", [1, 7, 32, 100, 256, 1000])
+def test_grid_pads_under_five_percent_and_holds_the_anchor(anchor):
+    plan = _SizePlan(None, 10**6)
+    plan.set_anchor(anchor)
+    assert plan.grid_point(anchor) == anchor
+    for m in range(1, plan.max_rows + 1):
+        g = plan.grid_point(m)
+        assert m <= g <= BUCKET_RATIO * m, (m, g)
+        assert g <= plan.max_rows
+
+
+@pytest.mark.parametrize(("expected", "sds"), [(16, 2), (32, 3), (64, 4), (256, 4), (4096, 4)])
+def test_poisson_sizes_fit_the_cap(expected, sds):
+    """The sizes within ``sds`` standard deviations of a Poisson batch (2: about 95 % of steps;
+    3: all but 3e-3; 4: all but 6e-5) each get their own bucket under the default cap, which
+    bounds compile time."""
+    plan = _SizePlan(None, DEFAULT_MAX_PHYSICAL_SIZES)
+    plan.set_anchor(expected)
+    sd = math.sqrt(expected)
+    lo, hi = max(1, int(expected - sds * sd)), int(expected + sds * sd)
+    grid = {plan.grid_point(m) for m in range(lo, min(hi, plan.max_rows) + 1)}
+    assert len(grid) <= DEFAULT_MAX_PHYSICAL_SIZES, sorted(grid)
+
+
+def test_poisson_steps_no_recompiles_after_warmup_and_little_padding():
+    case = mlp_case(seed=0, hidden=5)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.5, backend=_passthrough)
+    n_data, expected = 640, 64
+    sampler = PoissonSampler(n_data, sample_rate=expected / n_data, key=opake.random.key(0))
+    x, y = case.make_batch(n_data, 1)
+    step(x[:expected], y[:expected])  # the expected batch size anchors the grid
+    # Warm-up: one batch per bucket within 4 standard deviations of the expected size.
+    lo, hi = int(expected - 4 * math.sqrt(expected)), int(expected + 4 * math.sqrt(expected))
+    for n in sorted({step._plan.grid_point(m) for m in range(lo, min(hi, step.physical_batch_size) + 1)}):
+        step(x[:n], y[:n])
+    warm = step.num_backend_compiles
+    assert warm == len(step.physical_sizes) <= DEFAULT_MAX_PHYSICAL_SIZES
+    sizes = [len(b) for _ in range(3) for b in sampler]  # three epochs of Poisson batches
+    assert len(set(sizes)) > 8 and all(lo <= n <= hi for n in sizes), sizes
+    for n in sizes:
+        out = step(x[:n], y[:n])
+        assert out.clipped.num_examples == n
+        assert _padded(step, n) <= 0.05 * n, (n, step.plan(n))
+    assert step.num_backend_compiles == warm  # zero recompiles after warm-up
+
+
+def test_fixed_size_batches_never_pad():
+    case = mlp_case(seed=1)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.5, backend=_passthrough)
+    for s in range(3):
+        step(*case.make_batch(13, s))
+    assert step.plan(13) == ((13, 13),)
+    assert step.physical_sizes == (13,) and step.num_backend_compiles == 1
+
+
+@pytest.mark.parametrize("n", [97, 150])
+def test_bucketed_results_equal_the_unpadded_step(n):
+    case = mlp_case(seed=2)
+    args = case.make_batch(n, 3)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.3, backend=None)
+    step(*case.make_batch(100, 0))  # anchor at 100: 97 runs padded to 100, 150 in two chunks
+    out = step(*args)
+    assert out.clipped.num_examples == n and out.clipped.per_example_norms.shape == (n,)
+    assert {97: ((97, 100),), 150: ((136, 136), (14, 14))}[n] == step.plan(n)
+    exact = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.3, physical_batch_size=n, backend=None)(*args)
+    assert_trees_close(out.clipped.grads, exact.clipped.grads, torch.float32)
+    torch.testing.assert_close(out.clipped.per_example_norms, exact.clipped.per_example_norms)
+    torch.testing.assert_close(out.loss, exact.loss)
+    assert_trees_close(out.clipped.grads, reference_clipped(case.model, case.loss_fn, args, 0.3).grads, torch.float32)
+
+
+def test_cap_bounds_the_graphs_and_results_stay_exact():
+    case = mlp_case(seed=3)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.4, backend=_passthrough, max_physical_sizes=3)
+    step(*case.make_batch(20, 0))
+    for n in (1, 5, 14, 19, 21, 27, 33, 60, 2):
+        args = case.make_batch(n, n)
+        out = step(*args)
+        assert_trees_close(out.clipped.grads, reference_clipped(case.model, case.loss_fn, args, 0.4).grads, torch.float32)
+        assert sum(m for m, _ in step.plan(n)) == n
+    assert len(step.physical_sizes) == 3 and step.num_backend_compiles == 3
+
+
+def test_explicit_physical_batch_size_keeps_one_graph():
+    case = mlp_case(seed=4)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.4, physical_batch_size=8, backend=_passthrough)
+    for n in (3, 8, 13):
+        step(*case.make_batch(n, n))
+    assert step.physical_sizes == (8,) and step.num_backend_compiles == 1
+    assert step.plan(13) == ((8, 8), (5, 8))
+
+
+def test_a_failed_call_leaves_no_size_behind():
+    case = mlp_case(seed=5)
+    calls = {"n": 0}
+
+    def flaky(gm, example_inputs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("backend down")
+        return gm
+
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.4, backend=flaky)
+    step(*case.make_batch(10, 0))
+    with pytest.raises(UnsupportedOperationError):
+        step(*case.make_batch(7, 1))
+    assert step.physical_sizes == (10,)
