@@ -404,16 +404,22 @@ def test_optimizer_refuses_skipped_draws_with_correlated_noise():
 
 
 # ----------------------------------------------------------------------------- JAX-Privacy oracle
-def _jax():
+@pytest.fixture
+def x64_jax():
+    """JAX with 64-bit floats for the oracle, restored afterwards (the setting is global and
+    other JAX tests check float32 behaviour)."""
     pytest.importorskip("jax_privacy")
     import jax
 
+    before = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
-    return jax
+    try:
+        yield jax
+    finally:
+        jax.config.update("jax_enable_x64", before)
 
 
-def test_jax_privacy_oracle_bandmf_and_toeplitz_sensitivity_and_error():
-    _jax()
+def test_jax_privacy_oracle_bandmf_and_toeplitz_sensitivity_and_error(x64_jax):
     import jax.numpy as jnp
     from jax_privacy.matrix_factorization import toeplitz
 
@@ -431,8 +437,7 @@ def test_jax_privacy_oracle_bandmf_and_toeplitz_sensitivity_and_error():
                 assert s.sensitivity(k, b) ** 2 == pytest.approx(float(toeplitz.minsep_sensitivity_squared(m, b, k)), rel=1e-9)
 
 
-def test_jax_privacy_oracle_blt_sensitivity_and_max_error():
-    _jax()
+def test_jax_privacy_oracle_blt_sensitivity_and_max_error(x64_jax):
     import jax.numpy as jnp
     from jax_privacy.matrix_factorization import buffered_toeplitz as bt
 
@@ -446,8 +451,7 @@ def test_jax_privacy_oracle_blt_sensitivity_and_max_error():
     assert float(bt.max_error(inv, n)) / scale**2 == pytest.approx(s.max_squared_error(), rel=1e-7)
 
 
-def test_jax_privacy_oracle_amplified_bandmf_epsilon():
-    _jax()
+def test_jax_privacy_oracle_amplified_bandmf_epsilon(x64_jax):
     import dp_accounting
     from jax_privacy.experimental import accounting as jpa
 
