@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -303,6 +303,22 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    def _write_and_step(self, noised: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
+        """Divide the noised sums by the expected batch size, write them to ``.grad`` in each
+        parameter's dtype (other parameters of the wrapped optimizer get ``None``) and step."""
+        new_grads = {
+            name: (noised[name] / self.expected_batch_size).to(dtype=p.dtype, device=p.device)
+            for name, p in targets.items()
+        }
+        written = {id(p) for p in targets.values()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in written:
+                    p.grad = None
+        for name, p in targets.items():
+            p.grad = new_grads[name]
+        self.optimizer.step()
+
     def step(self, clipped: ClippedPytree | Sequence[ClippedPytree], *, draw: Any = None) -> None:
         """Privatise ``clipped`` (one logical batch) and step the wrapped optimizer.
 
@@ -371,19 +387,8 @@ class DPOptimizer:
         next_key, draw_key = _random.split(self._key, 2)
         std = self.noise_multiplier * c if self.noise_multiplier > 0 else 0.0
         noised = add_gaussian_noise(clipped.grads, std, draw_key)
-        new_grads = {
-            name: (noised[name] / self.expected_batch_size).to(dtype=p.dtype, device=p.device)
-            for name, p in targets.items()
-        }
         # Validation and noise are done: from here on the state changes.
-        written = {id(p) for p in targets.values()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in written:
-                    p.grad = None
-        for name, p in targets.items():
-            p.grad = new_grads[name]
-        self.optimizer.step()
+        self._write_and_step(noised, targets)
         self._key = next_key
         self._steps += charge
         self._runs = runs
@@ -429,18 +434,7 @@ class DPOptimizer:
                 "No state was changed."
             )
         noised, new_state = self._noise_fn(clipped, self._noise_state)
-        new_grads = {
-            name: (noised.grads[name] / self.expected_batch_size).to(dtype=p.dtype, device=p.device)
-            for name, p in targets.items()
-        }
-        written = {id(p) for p in targets.values()}
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in written:
-                    p.grad = None
-        for name, p in targets.items():
-            p.grad = new_grads[name]
-        self.optimizer.step()
+        self._write_and_step(noised.grads, targets)
         self._noise_state = new_state
         self._key = new_state.key
         self._steps += 1
