@@ -17,21 +17,10 @@ does not grow when other processes take the cores (wall-clock shares do, on a lo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import time
 from typing import Any
-
-
-def _bench_step() -> Any:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_step.py")
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Timed:
@@ -84,7 +73,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     ns = p.parse_args()
-    bs = _bench_step()
+    import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
     import torch
 
     import opake_compile as opake

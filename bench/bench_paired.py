@@ -25,21 +25,10 @@ measured here (see bench_step.py's peak-memory columns).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
-import sys
 import time
 from typing import Any
-
-
-def _bench_step() -> Any:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_step.py")
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
@@ -169,7 +158,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--poisson", type=int, default=0, help="also time K Poisson batch sizes at default settings")
     ns = p.parse_args()
-    bs = _bench_step()
+    import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
     import torch
 
     print(f"# bench_paired torch={torch.__version__} threads={torch.get_num_threads()} rounds={ns.rounds} "

@@ -189,6 +189,17 @@ def paired(p: int, rounds: int, device: str) -> dict[str, Any]:
     }
 
 
+def _run_one(p: int, ns: argparse.Namespace, *flags: str) -> dict | None:
+    """This script's ``--one P`` mode in a fresh process (its own Dynamo and Inductor state); its
+    JSON result, or ``None`` after printing a failed table row."""
+    cmd = [sys.executable, os.path.abspath(__file__), *flags, "--one", str(p), "--rounds", str(ns.rounds), "--device", ns.device]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        print(f"| {p} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8,32,56", help="comma list of P (default %(default)s)")
@@ -205,12 +216,9 @@ def main() -> None:
         print("| P | compile s: np / loop / batched | ms: np / loop / batched | loop/np | batched/np | batched/loop |")
         print("|---|---|---|---|---|---|")
         for p in (int(s) for s in ns.sizes.split(",")):
-            cmd = [sys.executable, os.path.abspath(__file__), "--paired", "--one", str(p), "--rounds", str(ns.rounds), "--device", ns.device]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                print(f"| {p} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |")
+            r = _run_one(p, ns, "--paired")
+            if r is None:
                 continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
             print(
                 f"| {p} | {r['compile_np_s']:.0f} / {r['compile_loop_s']:.0f} / {r['compile_batched_s']:.0f} "
                 f"| {r['np_ms']:.0f} / {r['loop_ms']:.0f} / {r['batched_ms']:.0f} | {r['loop_np']:.2f} "
@@ -224,12 +232,9 @@ def main() -> None:
     print("| P | attn nodes | nodes | trace s | compile s | np ms | dp ms | dp/np |")
     print("|---|---|---|---|---|---|---|---|")
     for p in (int(s) for s in ns.sizes.split(",")):
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", str(p), "--rounds", str(ns.rounds), "--device", ns.device]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if out.returncode != 0:
-            print(f"| {p} | failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode} |")
+        r = _run_one(p, ns)
+        if r is None:
             continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
         print(
             f"| {p} | {r['attn_nodes']} | {r['nodes']} | {r['trace_s']:.1f} | {r['compile_s']:.1f} "
             f"| {r['np_ms']:.1f} | {r['dp_ms']:.1f} | {r['dp_np']:.2f} |",

@@ -32,11 +32,9 @@ These are heavy on a small CPU: a full run compiles several minutes per model.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import statistics
-import sys
 import time
 import traceback
 from typing import Any
@@ -44,15 +42,6 @@ from typing import Any
 ALL_MODELS = ("gpt2_t256_b8", "gpt2_t256_b32", "gpt2_t512_b8", "gpt2_t512_b32", "vit_b16", "llama_t512", "gpt2_lora")
 ALL_ROWS = ("np_grad", "np_backward", "dp_default", "dp_p_eq_b", "opacus_hooks", "opacus_ghost")
 DEFAULT_ROWS = ("np_grad", "np_backward", "dp_default", "opacus_hooks", "opacus_ghost")
-
-
-def _bench_step() -> Any:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_step.py")
-    spec = importlib.util.spec_from_file_location("bench_step", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # --------------------------------------------------------------------------------- models
@@ -328,7 +317,7 @@ def main() -> None:
     p.add_argument("--verbose", action="store_true", help="print a failing row's traceback")
     ns = p.parse_args()
     ns.rows = [r for r in ns.rows.split(",") if r]
-    bs = _bench_step()
+    import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
     import torch
 
     print(f"# bench_shapes torch={torch.__version__} threads={torch.get_num_threads()} device={ns.device} "
