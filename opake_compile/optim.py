@@ -303,9 +303,13 @@ class DPOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def _write_and_step(self, noised: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
+    def _write_and_step(self, noised: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor], commit: Any) -> None:
         """Divide the noised sums by the expected batch size, write them to ``.grad`` in each
-        parameter's dtype (other parameters of the wrapped optimizer get ``None``) and step."""
+        parameter's dtype (other parameters of the wrapped optimizer get ``None``), run
+        ``commit()`` (the key, the noise state and the charge advance) and step. The release
+        is the write to ``.grad``, so it is charged before the wrapped step runs: if that step
+        raises, a retry draws fresh noise and is charged again (reusing the noise on other
+        data would reveal the difference of two sums without noise)."""
         new_grads = {
             name: (noised[name] / self.expected_batch_size).to(dtype=p.dtype, device=p.device)
             for name, p in targets.items()
@@ -317,6 +321,7 @@ class DPOptimizer:
                     p.grad = None
         for name, p in targets.items():
             p.grad = new_grads[name]
+        commit()
         self.optimizer.step()
 
     def step(self, clipped: ClippedPytree | Sequence[ClippedPytree], *, draw: Any = None) -> None:
@@ -388,11 +393,13 @@ class DPOptimizer:
         std = self.noise_multiplier * c if self.noise_multiplier > 0 else 0.0
         noised = add_gaussian_noise(clipped.grads, std, draw_key)
         # Validation and noise are done: from here on the state changes.
-        self._write_and_step(noised, targets)
-        self._key = next_key
-        self._steps += charge
-        self._runs = runs
-        self._draws_charged = draws_charged
+        def commit() -> None:
+            self._key = next_key
+            self._steps += charge
+            self._runs = runs
+            self._draws_charged = draws_charged
+
+        self._write_and_step(noised, targets, commit)
 
     def _mf_step(
         self, clipped: ClippedPytree, targets: dict[str, torch.Tensor], charge: int, draws_charged: int, draw: Any
@@ -434,12 +441,15 @@ class DPOptimizer:
                 "No state was changed."
             )
         noised, new_state = self._noise_fn(clipped, self._noise_state)
-        self._write_and_step(noised.grads, targets)
-        self._noise_state = new_state
-        self._key = new_state.key
-        self._steps += 1
-        self._runs = _append_run(self._runs, self._step_process, 1)  # keeps the checkpoint's count
-        self._draws_charged = draws_charged
+
+        def commit() -> None:
+            self._noise_state = new_state
+            self._key = new_state.key
+            self._steps += 1
+            self._runs = _append_run(self._runs, self._step_process, 1)  # keeps the checkpoint's count
+            self._draws_charged = draws_charged
+
+        self._write_and_step(noised.grads, targets, commit)
 
     @property
     def noise_state(self) -> Any:
@@ -582,8 +592,9 @@ class DPOptimizer:
         """Restore a :meth:`state_dict`.
 
         Raises:
-            CheckpointError: missing keys, another version, or a different privacy configuration
-                (noise multiplier, sample rate, dataset size, truncation).
+            CheckpointError: missing keys, another version, a different privacy configuration
+                (noise multiplier, sample rate, dataset size, truncation), or fewer steps than
+                this optimizer has already charged (a rewind).
         """
         required = {"version", "optimizer", "key", "steps", "noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size"}
         if not isinstance(state, dict) or not required <= set(state):
@@ -591,6 +602,13 @@ class DPOptimizer:
             raise CheckpointError(f"DPOptimizer state is missing {missing}.")
         if state["version"] != _STATE_VERSION:
             raise CheckpointError(f"DPOptimizer state version {state['version']} is not {_STATE_VERSION}.")
+        if int(state["steps"]) < self._steps:
+            # Going back would forget charged steps and replay their noise keys on new data.
+            raise CheckpointError(
+                f"This optimizer has charged {self._steps} step(s) and the checkpoint only "
+                f"{int(state['steps'])}: restoring would rewind the accountant and reuse noise. Restore "
+                "into a fresh DPOptimizer (a new run), never into one that has stepped since."
+            )
         for field in ("noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size"):
             if state[field] != getattr(self, field):
                 raise CheckpointError(

@@ -263,3 +263,48 @@ def test_prefetching_dataloader_is_not_overcharged():
             queue.append(following)
     assert ahead == 3  # the loader was three draws ahead of each step
     assert opt.steps == sampler.steps == sampler.draws_handed_out == 6
+
+
+# ------------------------------------------------------------------ releases that escape a step
+def _clipped_sum(params, x, y, c=1.0):
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=c)
+    out, _ = grad_fn({k: v.detach() for k, v in params.items()}, x, y, state=st)
+    return dataclasses.replace(out, parameters=params)
+
+
+def test_a_wrapped_step_that_raises_still_charges_the_noise_it_released():
+    # The noised gradient is in .grad before the wrapped optimizer steps. Before the fix a
+    # raising step left it there uncharged, and a retry on other data reused the same noise:
+    # the difference of the two .grad values was the difference of the sums, without noise.
+    params = _params()
+    sampler = PoissonSampler(50, 0.2, key=opake.random.key(1))
+    opt = _optimizer(params, sampler)
+    fail = [True]
+
+    def raise_once(*_):
+        if fail.pop() if fail else False:
+            raise RuntimeError("wrapped step failed")
+
+    opt.optimizer.register_step_pre_hook(raise_once)
+    x, y = _data(10)
+    idx = next(iter(sampler))
+    with pytest.raises(RuntimeError, match="wrapped step failed"):
+        opt.step(_clipped_sum(params, x[:5], y[:5]), draw=idx)
+    assert opt.steps == 1  # the release is charged
+    with pytest.raises(ConfigurationError, match="already"):
+        opt.step(_clipped_sum(params, x[5:], y[5:]), draw=idx)  # the same draw cannot step again
+
+
+def test_restoring_a_checkpoint_into_an_optimizer_that_stepped_since_is_refused():
+    params = _params()
+    sampler = PoissonSampler(50, 0.2, key=opake.random.key(2))
+    opt = _optimizer(params, sampler)
+    saved = opt.state_dict()
+    x, y = _data(10)
+    opt.step(_clipped_sum(params, x, y), draw=next(iter(sampler)))
+    with pytest.raises(CheckpointError, match="rewind"):
+        opt.load_state_dict(saved)
+    assert opt.steps == 1
+    fresh = _optimizer(_params(), PoissonSampler(50, 0.2, key=opake.random.key(2)))
+    fresh.load_state_dict(saved)  # a new run restores it
+    assert fresh.steps == 0
