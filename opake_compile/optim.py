@@ -377,6 +377,16 @@ class DPOptimizer:
                 f"group has {world}: call opake_compile.distributed.sum_gradients(clipped) first, so "
                 "that every rank adds the same noise to the same global sum."
             )
+        from opake_compile.sampling import Draw
+
+        if isinstance(draw, Draw) and clipped.num_examples > len(draw):
+            # Parts of one draw hold disjoint examples: more examples than the draw has means an
+            # example was summed twice (the same batch's parts passed again), so one example
+            # could move the sum by more than C while one step is charged.
+            raise ConfigurationError(
+                f"The clipped sum holds {clipped.num_examples} examples but draw {draw.id.seq} has only "
+                f"{len(draw)}: a part was passed more than once. Pass each physical batch of the draw once."
+            )
         c = clipped.clipping_norm
         if math.isinf(c) and self.noise_multiplier > 0:
             raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")

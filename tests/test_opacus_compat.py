@@ -402,3 +402,21 @@ def test_module_validator_fix_agrees_with_opacus():
     fixed = ModuleValidator.fix(model)
     theirs = opacus.validators.ModuleValidator.fix(model)
     assert type(theirs[1]) is type(fixed[1]) and theirs[1].num_groups == fixed[1].num_groups
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_backwarding_the_same_batch_twice_before_a_step_is_refused(mode):
+    # Before: each backward added a part, so the draw's examples were summed twice (2 C of
+    # sensitivity) while one step was charged.
+    engine, model, pmodel, popt, criterion, loader = _private(mode, n=12, batch_size=12, sigma=1.0, C=1.0)
+    for x, y in loader:
+        if len(x) == 0:
+            continue
+        before = [p.detach().clone() for p in model.parameters()]
+        for _ in range(2):
+            criterion(pmodel(x), y).backward()
+        with pytest.raises(UnsupportedOperationError, match="more than once"):
+            popt.step()
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        assert popt.dp.steps == 0
+        break

@@ -308,3 +308,20 @@ def test_restoring_a_checkpoint_into_an_optimizer_that_stepped_since_is_refused(
     fresh = _optimizer(_params(), PoissonSampler(50, 0.2, key=opake.random.key(2)))
     fresh.load_state_dict(saved)  # a new run restores it
     assert fresh.steps == 0
+
+
+def test_parts_holding_more_examples_than_their_draw_are_refused():
+    # The same physical batch passed twice (or backwarded twice) is k C of sensitivity for one
+    # charged step; a Draw knows its size, so the sum is refused and nothing changes.
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    idx = next(iter(sampler))
+    assert len(idx) > 0
+    x, y = _data(50)
+    part = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    with pytest.raises(ConfigurationError, match="more than once"):
+        opt.step([part, part], draw=idx)
+    assert opt.steps == 0 and params["w"].grad is None
+    opt.step([part], draw=idx)
+    assert opt.steps == 1

@@ -93,10 +93,12 @@ def register_grad_sampler(*args: Any, **kwargs: Any) -> Any:
 
 
 class _Meta(NamedTuple):
-    """Which Poisson draw a physical batch belongs to, and whether it is the draw's last."""
+    """Which Poisson draw a physical batch belongs to, whether it is the draw's last, and the
+    draw's size (its physical batches hold that many examples in all)."""
 
     draw: DrawId
     last: bool
+    size: int
 
 
 @dataclasses.dataclass
@@ -391,6 +393,14 @@ class DPOptimizer(torch.optim.Optimizer):
         meta = parts[-1].meta
         if meta is not None and not meta.last:
             return None  # BatchMemoryManager: more physical batches of this draw follow
+        held = sum(p.clipped.num_examples for p in parts)
+        if meta is not None and held > meta.size:
+            parts.clear()
+            raise UnsupportedOperationError(
+                f"This step's losses hold {held} examples but the Poisson draw has {meta.size}: the same batch "
+                "was forwarded and backwarded more than once, which would count its examples several times "
+                "for one charged step. Call loss.backward() once per physical batch."
+            )
         self.dp.step([p.clipped for p in parts], draw=None if meta is None else meta.draw)
         parts.clear()
         return loss
@@ -432,7 +442,7 @@ class _DrawChunks(Sampler):
             else:
                 chunks = [c.tolist() for c in np.array_split(np.asarray(draw), math.ceil(len(draw) / self.max_size))]
             for k, chunk in enumerate(chunks):
-                yield Draw(chunk, _Meta(draw.id, k == len(chunks) - 1))
+                yield Draw(chunk, _Meta(draw.id, k == len(chunks) - 1, len(draw)))
 
     def __len__(self) -> int:
         if self.max_size is None:
