@@ -420,3 +420,56 @@ def test_backwarding_the_same_batch_twice_before_a_step_is_refused(mode):
         assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
         assert popt.dp.steps == 0
         break
+
+
+@pytest.mark.parametrize("reuse", ["same tensors", "a view"])
+def test_reusing_an_earlier_draws_batch_is_refused(reuse):
+    # Before: the charged draw was read from the loader's position only, so a loop that kept
+    # the first batch and trained on it at every iteration was charged as fresh Poisson draws
+    # at rate q while the same examples took part in every step.
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=40, batch_size=4, sigma=1.0, C=1.0)
+    kept = None
+    for i, (x, y) in enumerate(loader):
+        if kept is None:
+            if len(x) == 0:
+                continue
+            kept = (x, y)
+            criterion(pmodel(x), y).backward()
+            popt.step()
+            popt.zero_grad()
+            continue
+        steps = popt.dp.steps
+        before = [p.detach().clone() for p in model.parameters()]
+        kx = kept[0] if reuse == "same tensors" else kept[0].view(len(kept[0]), 5)[:, :]
+        with pytest.raises(UnsupportedOperationError, match="earlier Poisson draw"):
+            criterion(pmodel(kx), kept[1]).backward()
+        assert popt.dp.steps == steps
+        assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        break
+    else:
+        pytest.fail("the loader yielded fewer than two draws")
+
+
+def test_part_of_the_yielded_batch_is_refused():
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=40, batch_size=4, sigma=1.0, C=1.0)
+    for x, y in loader:
+        if len(x) < 2:
+            continue
+        with pytest.raises(UnsupportedOperationError, match=f"has {len(x)}"):
+            pmodel(x[1:].clone())
+        break
+
+
+def test_batches_sharing_one_storage_still_train():
+    # A collate function that slices one dataset-wide tensor yields every batch as a view of
+    # the same storage: the current batch shares it, so it is not mistaken for an old one.
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=40, batch_size=4, sigma=1.0, C=1.0)
+    X, Y = _data(40).tensors
+    loader.collate_fn.collate_fn = lambda items: (X[: len(items)], Y[: len(items)])
+    stepped = 0
+    for x, y in loader:
+        criterion(pmodel(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+        stepped += 1
+    assert stepped == len(loader) and popt.dp.steps == stepped

@@ -22,10 +22,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
+import optree
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Sampler, default_collate
@@ -52,6 +54,14 @@ __all__ = [
 
 _ACCOUNTANTS = {"prv": "pld", "pld": "pld", "rdp": "rdp"}
 _MODES = ("hooks", "ghost")
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(t, torch.Tensor) and t.numel() > 0]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _not_mapped(feature: str, alternative: str) -> UnsupportedOperationError:
@@ -93,12 +103,15 @@ def register_grad_sampler(*args: Any, **kwargs: Any) -> Any:
 
 
 class _Meta(NamedTuple):
-    """Which Poisson draw a physical batch belongs to, whether it is the draw's last, and the
-    draw's size (its physical batches hold that many examples in all)."""
+    """Which Poisson draw a physical batch belongs to, whether it is the draw's last, the
+    draw's size (its physical batches hold that many examples in all), and which physical batch
+    of the draw it is (``chunk``, holding ``rows`` examples)."""
 
     draw: DrawId
     last: bool
     size: int
+    chunk: int = 0
+    rows: int = -1
 
 
 @dataclasses.dataclass
@@ -120,6 +133,11 @@ class _Session:
         self.default_physical_batch_size = physical_batch_size or _default_physical_batch_size(max(1, int(math.ceil(expected_batch_size))))
         self.physical_batch_size = self.default_physical_batch_size
         self.current: _Meta | None = None
+        # Storage of every tensor the data loader has yielded and is still alive, with the
+        # physical batches it was yielded in: a model input sharing storage only with batches of
+        # other draws is an earlier draw's data, whose examples the current draw's charge does
+        # not cover (see ``_check_inputs``).
+        self.yielded: dict[tuple[str, int], list[tuple[weakref.ref, _Meta]]] = {}
         self.parts: list[_Part] = []
         self.steps: dict[Any, DPStep] = {}
         self.constants: dict[Any, torch.Tensor] = {}
@@ -144,8 +162,51 @@ class _Session:
                 f"The model output has shape {tuple(out.shape)}, the batch {n} rows: the first "
                 "dimension of inputs and output must be the batch (batch_first=True)."
             )
+        self._check_inputs(args, n)
         tape = _tape.Tape(self, {"args": args, "n": n, "draw": self.current})
         return tape.root(out)
+
+    # ------------------------------------------------------------ data binding
+    def admit(self, batch: Any, meta: _Meta) -> None:
+        """Record ``batch`` as the physical batch ``meta`` the data loader is about to yield."""
+        self.current = meta
+        for key, entries in list(self.yielded.items()):
+            entries[:] = [(ref, m) for ref, m in entries if ref() is not None]
+            if not entries:
+                del self.yielded[key]
+        for t in _tensor_leaves(batch):
+            self.yielded.setdefault(_storage_key(t), []).append((weakref.ref(t), meta))
+
+    def _check_inputs(self, args: tuple, n: int | None) -> None:
+        """Refuse model inputs that are not the current physical batch of the data loader.
+
+        The optimizer charges the draw the loader handed out last; a forward on tensors the
+        loader yielded for an earlier draw (a batch kept from the first iteration and reused,
+        or a view of it) would train on examples that draw's charge does not cover, every step,
+        at the amplified rate q. A batch whose row count differs from the current physical
+        batch's is refused for the same reason. (A transformed copy of an earlier batch with
+        as many rows cannot be told apart from fresh data: see docs/migrating-from-opacus.md.)
+        """
+        meta = self.current
+        if meta is None:
+            return  # refused at backward with the reason (not the returned data loader)
+        for t in _tensor_leaves(args):
+            entries = [m for ref, m in self.yielded.get(_storage_key(t), ()) if ref() is not None]
+            if entries and meta not in entries:
+                old = entries[-1]
+                raise UnsupportedOperationError(
+                    f"The model input of shape {tuple(t.shape)} holds data the data loader yielded for an "
+                    f"earlier Poisson draw (hand-out {old.draw.seq}, epoch {old.draw.epoch} step "
+                    f"{old.draw.step}), while the draw being charged is hand-out {meta.draw.seq}: those "
+                    "examples would be trained on again under a charge that does not cover them. Forward "
+                    "the batch the loop's data loader yields at each iteration."
+                )
+        if meta.rows >= 0 and n is not None and n != meta.rows:
+            raise UnsupportedOperationError(
+                f"The model input has {n} rows but the current physical batch of the data loader has "
+                f"{meta.rows}: only the examples of the yielded batch are covered by the draw's charge. "
+                "Forward the batch the data loader yields, whole."
+            )
 
     # -------------------------------------------------------------- backward
     def backward(self, loss: Any, gradient: Any = None, retain_graph: Any = None, create_graph: bool = False, inputs: Any = None) -> None:
@@ -442,7 +503,7 @@ class _DrawChunks(Sampler):
             else:
                 chunks = [c.tolist() for c in np.array_split(np.asarray(draw), math.ceil(len(draw) / self.max_size))]
             for k, chunk in enumerate(chunks):
-                yield Draw(chunk, _Meta(draw.id, k == len(chunks) - 1, len(draw)))
+                yield Draw(chunk, _Meta(draw.id, k == len(chunks) - 1, len(draw), k, len(chunk)))
 
     def __len__(self) -> int:
         if self.max_size is None:
@@ -476,7 +537,7 @@ class DPDataLoader(DataLoader):
 
     def __iter__(self):
         for batch, meta in super().__iter__():
-            self._session.current = meta
+            self._session.admit(batch, meta)
             yield batch
 
     def _split(self, max_physical_batch_size: int) -> DPDataLoader:
