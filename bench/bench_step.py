@@ -61,7 +61,7 @@ ALL_CONFIGS = (
 )
 BASELINE_CONFIGS = ("np_compiled_grad", "np_compiled_backward")
 CORE_MODELS = ("mlp", "cnn", "transformer")
-OPTIONAL_MODELS = ("gpt2", "gpt2_t512", "mlp_lora")
+OPTIONAL_MODELS = ("encoder", "gpt2", "gpt2_t512", "mlp_lora")
 NUM_POISSON = 20
 
 
@@ -210,6 +210,32 @@ def build_transformer(quick: bool) -> Spec:
     )
 
 
+def build_encoder(quick: bool) -> Spec:
+    """``nn.TransformerEncoder`` (the performance issue's SDPA row): 2 layers, d=128, 4 heads,
+    MLP 512, dropout 0 (CPU attention takes the fused SDPA kernel), mean-pool 10-class head on
+    (B, T=64, 128) float features, B=32."""
+    import torch.nn as nn
+
+    d, heads, ff, t, b = (32, 2, 64, 16, 8) if quick else (128, 4, 512, 64, 32)
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(d, heads, ff, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+            self.head = nn.Linear(d, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.enc(x).mean(1))
+
+    def make_batch(n: int, g: Any) -> tuple:
+        import torch
+
+        return torch.randn(n, t, d, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    return Spec("encoder", Encoder(), b, make_batch, _classify, f"nn.TransformerEncoder 2 layers d={d} T={t} (SDPA), B={b}")
+
+
 def build_gpt2(quick: bool, *, long: bool = False) -> Spec:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -255,6 +281,7 @@ BUILDERS = {
     "mlp": build_mlp,
     "cnn": build_cnn,
     "transformer": build_transformer,
+    "encoder": build_encoder,
     "gpt2": build_gpt2,
     "gpt2_t512": lambda quick: build_gpt2(quick, long=True),
     "mlp_lora": build_mlp_lora,
