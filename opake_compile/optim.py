@@ -187,6 +187,12 @@ class DPOptimizer:
                 f"DPOptimizer needs a Poisson sampler (opake_compile.sampling.PoissonSampler); got "
                 f"{type(sampler).__name__}. Fixed-size shuffled batches are not Poisson subsampling, "
                 "and accounting them as such would overstate the privacy guarantee."
+                + (
+                    " For independent noise with this sampler, pass noise=opake_compile.dpftrl.mf_gaussian_noise("
+                    "identity_strategy(total_steps), sigma, key): it is accounted without amplification."
+                    if getattr(sampler, "sampling", None) in ("fixed", "b_min_sep", "balls_in_bins")
+                    else ""
+                )
             )
         self.sampler = sampler
         self._sample_rate = float(sampler.sample_rate)
@@ -417,8 +423,8 @@ class DPOptimizer:
         """A step with correlated noise (``noise=`` given); validation done by ``step``."""
         from opake_compile.sampling import draw_of
 
-        if self._plan.kind in ("cyclic_poisson", "fixed"):
-            # The participation pattern (group t mod bands; epoch position) is accounted in
+        if self._plan.kind in ("cyclic_poisson", "fixed", "b_min_sep", "balls_in_bins"):
+            # The participation pattern (group t mod bands; epoch position; separation) is accounted in
             # terms of the noise's step index, so the draw must be the sampler's step t.
             named = draw_of(draw) or clipped.draw
             if named is None:
