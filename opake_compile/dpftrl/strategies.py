@@ -182,7 +182,8 @@ class Strategy:
         ``sum_u |m_u| |m_(u + l)|`` over those lags. The result is an upper bound, never an
         underestimate; it is exact when ``G >= 0`` entrywise and ``M`` has at most ``s + 1``
         bands (identity: ``sqrt(epochs)``; BandMF with nonnegative coefficients), since then
-        the terms of non-neighbouring epochs vanish. Cost ``O(T s)`` time, ``O(s^2)`` memory.
+        the terms of non-neighbouring epochs vanish. Cost ``O(T s)`` time plus ``O(T^2)`` for
+        the far terms (an autocorrelation), memory ``O(T)`` plus blocks of about 32 MiB.
 
         Args:
             epoch_steps: ``s``, steps per epoch, >= 1.
@@ -264,22 +265,24 @@ def _epoch_sens_sq(m: np.ndarray, s: int) -> float:
     lags = np.arange(2 * s)
     padded = np.concatenate([m, np.zeros(2 * s)])
     carry = np.zeros(2 * s)  # D_l(r) = sum_(u <= r) m_u m_(u + l), carried as r grows
-    value = nxt = None
+    chunk = max(1, (1 << 22) // (3 * s))  # rows of D per block: bounded memory for long epochs
+    best = np.zeros(min(s, t - (epochs - 1) * s))  # max over the next epoch, per position
     for e in range(epochs - 1, -1, -1):  # r = t - 1 - p grows as e falls
         start, end = e * s, min(e * s + s, t)
-        u = np.arange(t - end, t - start)
-        d_r = carry + np.cumsum(m[u][:, None] * padded[u[:, None] + lags[None, :]], axis=0)
-        carry = d_r[-1]
-        d_p = d_r[::-1]  # d_p[a, l] = D_l(t - 1 - p) at position p = start + a
-        diag = np.abs(d_p[:, 0])
-        if value is None:
-            value = diag
-        else:
-            # G[start + a, start + s + b] = D_(s + b - a)(t - 1 - (start + s + b)) = nxt[b, s + b - a]
-            a = np.arange(end - start)[:, None]
-            b = np.arange(len(value))[None, :]
-            value = diag + np.max(2.0 * np.abs(nxt[b, s + b - a]) + value[None, :], axis=1)
-        nxt = d_p
+        value = np.empty(end - start)  # V_e(p): best sum over epochs >= e with p_e = p
+        best_prev = np.full(s, -np.inf) if e > 0 else None  # for epoch e - 1 (full length s)
+        for r0 in range(t - end, t - start, chunk):
+            u = np.arange(r0, min(r0 + chunk, t - start))
+            d = carry + np.cumsum(m[u][:, None] * padded[u[:, None] + lags[None, :]], axis=0)
+            carry = d[-1]
+            b = (t - 1 - u) - start  # positions of these rows in epoch e
+            value[b] = np.abs(d[:, 0]) + best[b]
+            if best_prev is not None:
+                # G[p_a, p_b] for p_a = start - s + a in epoch e - 1: lag s + b - a, row r = t - 1 - p_b
+                lag = s + b[:, None] - np.arange(s)[None, :]
+                cand = 2.0 * np.abs(np.take_along_axis(d, lag, axis=1)) + value[b][:, None]
+                best_prev = np.maximum(best_prev, cand.max(axis=0))
+        best = best_prev
     return float(value.max()) + far
 
 
