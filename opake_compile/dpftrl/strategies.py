@@ -14,8 +14,10 @@ vectors of the model's size (see :mod:`opake_compile.dpftrl.noise`).
 Normalisation: every strategy is scaled so that its largest column norm, the L2 sensitivity of
 ``M x`` when one example takes part in one step with a gradient of norm <= 1, is exactly 1.
 So ``noise_multiplier`` keeps the meaning it has in DP-SGD for one participation; several
-participations raise the sensitivity, reported by :meth:`Strategy.sensitivity` and charged by
-:func:`opake_compile.accounting.mf_gaussian`.
+participations raise the sensitivity, reported by :meth:`Strategy.sensitivity` (``k``
+participations at least ``b`` apart) and :meth:`Strategy.epoch_sensitivity` (one per epoch,
+balls-in-bins) and charged by :func:`opake_compile.accounting.mf_gaussian`,
+:func:`~opake_compile.accounting.b_min_sep` and :func:`~opake_compile.accounting.balls_in_bins`.
 
 The factories:
 
