@@ -13,15 +13,12 @@
 
 Which sampler with which strategy (``DPOptimizer`` derives the charge from the pair):
 
-==========================  ==========================  =====================================
-sampler                     strategies                  charge
-==========================  ==========================  =====================================
-CyclicPoissonSampler        banded, ``bands`` <= groups  amplified (``poisson``)
-PoissonSampler              identity                    DP-SGD
-SequentialBatchSampler      any                         ``b_min_sep`` with b = steps/epoch
-BMinSepSampler              any                         ``b_min_sep`` (sens. at ``(k, b)``)
-BallsInBinsSampler          any                         ``balls_in_bins`` (one per epoch)
-==========================  ==========================  =====================================
+* :class:`CyclicPoissonSampler`: BandMF or identity with at most ``bands`` bands, amplified
+  (:func:`poisson`);
+* :class:`~opake_compile.sampling.PoissonSampler`: identity only (DP-SGD);
+* :class:`SequentialBatchSampler`: any strategy, :func:`b_min_sep` with ``b`` = steps per epoch;
+* :class:`BMinSepSampler`: any strategy, :func:`b_min_sep` (sensitivity at ``(ceil(T/b), b)``);
+* :class:`BallsInBinsSampler`: any strategy, :func:`balls_in_bins` (one participation per epoch).
 
 Example::
 
