@@ -127,9 +127,12 @@ class DPOptimizer:
             and the key then come from it (``noise_multiplier`` may repeat sigma, ``key`` must
             be omitted), and the accounting is derived from the mechanism and the sampler
             together (:func:`opake_compile.accounting.mf_plan`): the samplers it declares
-            (``CyclicPoissonSampler`` with BandMF, ``SequentialBatchSampler``, Poisson with the
-            identity strategy) are accepted, every other combination is refused with the
-            reason. The noised sum is divided by the sampler's ``expected_batch_size``.
+            (``CyclicPoissonSampler`` with BandMF, Poisson with the identity strategy;
+            ``SequentialBatchSampler``, ``BMinSepSampler`` and ``BallsInBinsSampler`` with any
+            strategy, charged without amplification) are accepted, every other combination is
+            refused with the reason. The noised sum is divided by the sampler's
+            ``expected_batch_size``. Every step must name its draw, taken in the sampler's
+            order (the draw's position is the noise's step, on which the pattern rests).
 
     Raises:
         InputTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; bad key; ``noise``
