@@ -131,7 +131,7 @@ class DPOptimizer:
             ``SequentialBatchSampler``, ``BMinSepSampler`` and ``BallsInBinsSampler`` with any
             strategy, charged without amplification) are accepted, every other combination is
             refused with the reason. The noised sum is divided by the sampler's
-            ``expected_batch_size``. Every step must name its draw, taken in the sampler's
+            ``expected_batch_size``. With those other than Poisson every step names its draw, in the sampler's
             order (the draw's position is the noise's step, on which the pattern rests).
 
     Raises:
