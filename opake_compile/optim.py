@@ -131,8 +131,9 @@ class DPOptimizer:
             ``SequentialBatchSampler``, ``BMinSepSampler`` and ``BallsInBinsSampler`` with any
             strategy, charged without amplification) are accepted, every other combination is
             refused with the reason. The noised sum is divided by the sampler's
-            ``expected_batch_size``. With those other than Poisson every step names its draw, in the sampler's
-            order (the draw's position is the noise's step, on which the pattern rests).
+            ``expected_batch_size``. With the non-Poisson samplers every step names its draw,
+            in the sampler's order (the draw's position is the noise's step, on which the
+            accounted participation pattern rests).
 
     Raises:
         InputTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; bad key; ``noise``
