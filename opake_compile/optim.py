@@ -127,9 +127,13 @@ class DPOptimizer:
             and the key then come from it (``noise_multiplier`` may repeat sigma, ``key`` must
             be omitted), and the accounting is derived from the mechanism and the sampler
             together (:func:`opake_compile.accounting.mf_plan`): the samplers it declares
-            (``CyclicPoissonSampler`` with BandMF, ``SequentialBatchSampler``, Poisson with the
-            identity strategy) are accepted, every other combination is refused with the
-            reason. The noised sum is divided by the sampler's ``expected_batch_size``.
+            (``CyclicPoissonSampler`` with BandMF, Poisson with the identity strategy;
+            ``SequentialBatchSampler``, ``BMinSepSampler`` and ``BallsInBinsSampler`` with any
+            strategy, charged without amplification) are accepted, every other combination is
+            refused with the reason. The noised sum is divided by the sampler's
+            ``expected_batch_size``. With the non-Poisson samplers every step names its draw,
+            in the sampler's order (the draw's position is the noise's step, on which the
+            accounted participation pattern rests).
 
     Raises:
         InputTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; bad key; ``noise``
@@ -187,6 +191,12 @@ class DPOptimizer:
                 f"DPOptimizer needs a Poisson sampler (opake_compile.sampling.PoissonSampler); got "
                 f"{type(sampler).__name__}. Fixed-size shuffled batches are not Poisson subsampling, "
                 "and accounting them as such would overstate the privacy guarantee."
+                + (
+                    " For independent noise with this sampler, pass noise=opake_compile.dpftrl.mf_gaussian_noise("
+                    "identity_strategy(total_steps), sigma, key): it is accounted without amplification."
+                    if getattr(sampler, "sampling", None) in ("fixed", "b_min_sep", "balls_in_bins")
+                    else ""
+                )
             )
         self.sampler = sampler
         self._sample_rate = float(sampler.sample_rate)
@@ -417,8 +427,8 @@ class DPOptimizer:
         """A step with correlated noise (``noise=`` given); validation done by ``step``."""
         from opake_compile.sampling import draw_of
 
-        if self._plan.kind in ("cyclic_poisson", "fixed"):
-            # The participation pattern (group t mod bands; epoch position) is accounted in
+        if self._plan.kind in ("cyclic_poisson", "fixed", "b_min_sep", "balls_in_bins"):
+            # The participation pattern (group t mod bands; epoch position; separation) is accounted in
             # terms of the noise's step index, so the draw must be the sampler's step t.
             named = draw_of(draw) or clipped.draw
             if named is None:

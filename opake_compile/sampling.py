@@ -2,8 +2,9 @@
 
 The samplers of correlated noise (:mod:`opake_compile.dpftrl`) live here too:
 :class:`CyclicPoissonSampler` (Poisson within one of ``bands`` fixed groups per step),
-:class:`SequentialBatchSampler` (the same fixed batches every epoch) and
-:class:`BallsInBinsSampler` (a random partition per epoch). They are not ``is_poisson``:
+:class:`SequentialBatchSampler` (the same fixed batches every epoch),
+:class:`BallsInBinsSampler` (a random partition per epoch) and :class:`BMinSepSampler`
+(Poisson among the examples idle for the last ``b - 1`` steps). They are not ``is_poisson``:
 ``DPOptimizer`` accepts them only with a noise mechanism that declares their scheme.
 
 DP-SGD's privacy amplification by subsampling (Abadi et al. 2016, "Deep Learning with
@@ -44,6 +45,7 @@ __all__ = [
     "CyclicPoissonSampler",
     "SequentialBatchSampler",
     "BallsInBinsSampler",
+    "BMinSepSampler",
     "Draw",
     "DrawId",
     "draw_of",
@@ -662,8 +664,12 @@ class BallsInBinsSampler(_SchemeSampler):
     for DP-SGD").
 
     Batch sizes are Binomial(N, 1/steps) and can be empty (use ``empty_collate``). Divisor:
-    ``expected_batch_size = N / steps``. Its amplification for correlated noise is known only
-    by Monte Carlo analysis, which is not built: ``DPOptimizer`` refuses it (with the reason).
+    ``expected_batch_size = N / steps``. The bins are drawn anew every epoch, so an example
+    takes part once per epoch, possibly in the last step of one epoch and the first of the
+    next: :func:`opake_compile.accounting.balls_in_bins` charges that pattern's sensitivity
+    (:meth:`~opake_compile.dpftrl.Strategy.epoch_sensitivity`) without amplification; the
+    amplified analyses are Monte Carlo only and are not built. ``DPOptimizer`` takes it with
+    ``noise=mf_gaussian_noise(...)`` (the identity strategy for independent noise).
 
     Args:
         dataset_size: N >= 1.
@@ -689,3 +695,116 @@ class BallsInBinsSampler(_SchemeSampler):
 
     def __repr__(self) -> str:
         return f"BallsInBinsSampler(dataset_size={self._dataset_size}, steps={self._steps}, key={self._key!r})"
+
+
+class BMinSepSampler(_SchemeSampler):
+    """Warm-start b-min-separation sampling (Dong & Ganesh 2026, "Privacy amplification for
+    BandMF via b-min-sep subsampling", Alg. 2; JAX-Privacy's ``BMinSepSampling``).
+
+    At global step ``T`` (``epoch * steps + step``) every example that took part in none of
+    the previous ``b - 1`` steps joins the batch independently with probability
+    ``sample_rate``; the others sit out. So any two participations of an example are at least
+    ``b = min_separation`` steps apart, and in ``T`` steps it takes part at most
+    ``ceil(T / b)`` times: the ``(k, b)``-min-separation pattern that
+    :func:`opake_compile.accounting.b_min_sep` charges (without amplification).
+    ``min_separation=1`` is plain Poisson sampling; ``sample_rate=1`` makes every example take
+    part exactly every ``b`` steps from a random offset.
+
+    Warm start: before step 0 each example is, independently, "recently sampled" with
+    probability ``(b - 1) q / (1 + (b - 1) q)``, at a step ``-1 .. -(b - 1)`` chosen uniformly;
+    that is the stationary law of the per-example chain, so every step has the same expected
+    batch size. These virtual steps release nothing.
+
+    Divisor: ``expected_batch_size = N q / (1 + (b - 1) q)`` (exact at every step, by the warm
+    start).
+
+    State: the batch of step ``T`` depends on the batches before it; this sampler keeps each
+    example's last step and rebuilds it by replaying the draws from step 0 (``O(T N)``) when a
+    step is asked out of order (``batch_at`` of an earlier step, a restored checkpoint). The
+    checkpoint stores no history, so a restored sampler cannot break the separation.
+
+    Args:
+        dataset_size: N >= 1.
+        sample_rate: q in (0, 1], the rate among the eligible examples.
+        min_separation: b >= 1.
+        key: the sampler's key (warm start and draws).
+        steps: batches per epoch; default ``max(1, round(b - 1 + 1 / q))``, the mean gap
+            between two participations (each example about once per epoch).
+
+    Raises:
+        InputTypeError, ConfigurationError: as :class:`PoissonSampler`; ``sample_rate = 0``.
+    """
+
+    sampling = "b_min_sep"
+
+    def __init__(
+        self, dataset_size: int, sample_rate: float, min_separation: int, key: oprandom.Key, *, steps: int | None = None
+    ) -> None:
+        b = check_positive_int(min_separation, name="min_separation")
+        q = check_probability(sample_rate, name="sample_rate")
+        if q == 0.0:
+            raise ConfigurationError("BMinSepSampler needs sample_rate > 0.")
+        if steps is None:
+            steps = max(1, round(b - 1 + 1.0 / q))
+        super().__init__(dataset_size, q, key=key, steps=steps)
+        self._b = b
+        self._last: torch.Tensor | None = None  # last participation step of each example
+        self._next = 0  # the global step whose batch _last has not taken in yet
+        self._cached: tuple[int, list[int]] | None = None
+
+    @property
+    def min_separation(self) -> int:
+        """b, the fewest steps between two participations of an example."""
+        return self._b
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``N q / (1 + (b - 1) q)``."""
+        q = self._sample_rate
+        return self._dataset_size * q / (1.0 + (self._b - 1) * q)
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"min_separation": self._b}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._last, self._next, self._cached = None, 0, None
+
+    def _warm_start(self) -> torch.Tensor:
+        n, b, q = self._dataset_size, self._b, self._sample_rate
+        last = torch.full((n,), -b, dtype=torch.int64)
+        if b > 1:
+            g = oprandom.generator_from_key(oprandom.fold_in(self._key, 2**62))
+            recent = torch.rand(n, generator=g, dtype=torch.float64) < (b - 1) * q / (1.0 + (b - 1) * q)
+            ago = torch.randint(1, b, (n,), generator=g)
+            last = torch.where(recent, -ago, last)
+        return last
+
+    def _advance(self) -> list[int]:
+        """The batch of global step ``self._next``; records it in ``_last``."""
+        t = self._next
+        epoch, step = divmod(t, self._steps)
+        g = oprandom.generator_from_key(oprandom.fold_in(oprandom.fold_in(self._key, epoch), step))
+        mask = torch.rand(self._dataset_size, generator=g, dtype=torch.float64) < self._sample_rate
+        mask &= self._last <= t - self._b
+        self._last[mask] = t
+        self._next = t + 1
+        batch = mask.nonzero().flatten().tolist()
+        self._cached = (t, batch)
+        return batch
+
+    def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
+        t = self._global_step(self._current_epoch, step)
+        if self._cached is not None and self._cached[0] == t:
+            return list(self._cached[1])
+        if self._last is None or t < self._next:
+            self._last, self._next = self._warm_start(), 0  # replay from the start
+        while self._next < t:
+            self._advance()
+        return self._advance()
+
+    def __repr__(self) -> str:
+        return (
+            f"BMinSepSampler(dataset_size={self._dataset_size}, sample_rate={self._sample_rate}, "
+            f"min_separation={self._b}, steps={self._steps}, key={self._key!r})"
+        )

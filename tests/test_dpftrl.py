@@ -303,7 +303,6 @@ def test_optimizer_refuses_combinations_without_accounting():
         (dpftrl.blt_strategy(16, 1, restarts=1), cyc, "non-banded"),
         (dpftrl.band_mf_strategy(16, 5), cyc, "5 bands"),
         (dpftrl.band_mf_strategy(16, 2), PoissonSampler(80, 0.1, key=key(1)), "Monte Carlo"),
-        (dpftrl.lambda_cgd_strategy(16), BallsInBinsSampler(80, 8, key=key(1)), "Monte Carlo"),
     ]:
         with pytest.raises(ConfigurationError, match=match):
             _opt_with(dpftrl.mf_gaussian_noise(strategy, 1.0, key(2)), sampler)

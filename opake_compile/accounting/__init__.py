@@ -27,7 +27,8 @@ Layout (each layer imports only the ones above it, so there are no cycles):
 * ``_accountant``: :class:`Accountant` (PLD or RDP), answering every query on a ``DpEvent``;
 * ``_process``: the process algebra (``*``, ``|``, queries) and generic mechanisms;
 * ``_mechanisms``: DP-SGD mechanisms and Poisson-family amplification; ``_matrix``, its
-  sibling: matrix-factorisation (DP-FTRL) accounting (``mf_gaussian``, ``mf_poisson``);
+  sibling: matrix-factorisation (DP-FTRL) accounting (``mf_gaussian``, ``mf_poisson``, ``b_min_sep``,
+  ``balls_in_bins``);
 * ``_calibration``: :func:`calibrate`.
 
 Edge cases: ``sample_rate = 0`` or ``k = 0`` gives epsilon = 0; ``sample_rate = 1`` equals the
@@ -82,7 +83,7 @@ from opake_compile.accounting._mechanisms import (
     parallel_poisson,
     poisson,
 )
-from opake_compile.accounting._matrix import MFPlan, mf_gaussian, mf_plan, mf_poisson
+from opake_compile.accounting._matrix import MFPlan, b_min_sep, balls_in_bins, mf_gaussian, mf_plan, mf_poisson
 from opake_compile.accounting._process import (
     Composed,
     EpsDeltaMechanism,
@@ -109,6 +110,8 @@ __all__ = [
     # matrix factorisation (DP-FTRL)
     "mf_gaussian",
     "mf_poisson",
+    "b_min_sep",
+    "balls_in_bins",
     "mf_plan",
     "MFPlan",
     "PrivacyProcess",

@@ -14,9 +14,21 @@
   Gaussian mechanisms of noise multiplier ``sigma`` composed. ``bands = 1`` and the identity
   strategy is DP-SGD.
 
-Not built (refused with the reason by :func:`mf_plan`): amplification of non-banded strategies
-(BLT, BISR, lambda-CGD) by Poisson or balls-in-bins sampling, whose only known analyses are
-Monte Carlo (MMCC, Choquette-Choo et al. 2024; Chua et al. 2024).
+* :func:`b_min_sep`: ``(k, b)``-min-separation participation (b-min-sep sampling, Dong &
+  Ganesh 2026; :class:`~opake_compile.sampling.BMinSepSampler`): at most ``ceil(T / b)``
+  participations in ``T`` steps, any two at least ``b`` apart; charged as :func:`mf_gaussian`
+  with that pattern's sensitivity, **without amplification** by the sampler's randomness.
+* :func:`balls_in_bins`: one participation per epoch of ``s`` steps, anywhere in it (new bins
+  every epoch; :class:`~opake_compile.sampling.BallsInBinsSampler`): the Gaussian mechanism
+  with :meth:`~opake_compile.dpftrl.Strategy.epoch_sensitivity`, **without amplification**.
+
+Not built, and never charged as estimates: amplification by plain Poisson sampling of
+non-banded strategies, by balls-in-bins sampling (Chua et al. 2024; Choquette-Choo et al.
+2024, "Near-exact privacy amplification for matrix mechanisms") and by b-min-sep sampling
+(Dong & Ganesh 2026): their only known analyses are Monte Carlo estimates (JAX-Privacy ships
+them as examples / ``experimental.monte_carlo``, not as accountants). The reference name of
+:func:`b_min_sep`, "warm-start b-min-separation amplification", refers to that analysis; here
+the warm start only makes the sampler's batch size stationary, and nothing is amplified.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ from opake_compile.accounting._mechanisms import GaussianMechanism, dpsgd_step_p
 from opake_compile.accounting._process import PrivacyProcess
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
-__all__ = ["mf_gaussian", "mf_poisson", "mf_plan", "MFPlan"]
+__all__ = ["mf_gaussian", "mf_poisson", "b_min_sep", "balls_in_bins", "mf_plan", "MFPlan"]
 
 
 def _check_strategy(strategy: Any) -> Any:
@@ -109,16 +121,100 @@ def mf_poisson(strategy: Any, noise_multiplier: float, sample_rate: float, *, ba
     return poisson(gaussian(sigma), q) * -(-steps // bands)
 
 
+def b_min_sep(strategy: Any, noise_multiplier: float, min_separation: int, *, steps: int) -> PrivacyProcess:
+    """The first ``steps`` steps of the matrix mechanism under b-min-separation participation.
+
+    With b-min-sep sampling (:class:`~opake_compile.sampling.BMinSepSampler`; Dong & Ganesh
+    2026, "Privacy amplification for BandMF via b-min-sep subsampling") an example never takes
+    part in two steps less than ``b`` apart, so in ``T`` steps it takes part at most
+    ``k = ceil(T / b)`` times: the ``(k, b)``-min-separation pattern of Choquette-Choo et al.
+    2023 ("Multi-epoch matrix factorization mechanisms"). The charge is the Gaussian mechanism
+    ``gaussian(sigma / strategy.sensitivity(k, b))`` (:func:`mf_gaussian`), valid whatever
+    the batches were (no amplification is claimed, so no band limit applies: a strategy with
+    more than ``b`` bands simply has a larger sensitivity). The amplification by the sampler's
+    randomness is known only by Monte Carlo analysis (Dong & Ganesh 2026) and is not charged.
+    Nondecreasing in ``steps``. Neighbouring relation: as :func:`mf_gaussian` (one example's
+    gradients changed in its participation slots).
+
+    Args:
+        strategy: the :class:`~opake_compile.dpftrl.strategies.Strategy`.
+        noise_multiplier: sigma >= 0.
+        min_separation: ``b >= 1``, the fewest steps between two participations.
+        steps: ``T``, steps taken, ``0 <= T <= strategy.n`` (0 costs nothing).
+
+    Raises:
+        InputTypeError: not a strategy.
+        ConfigurationError: a bad value, ``steps > strategy.n``.
+
+    Example::
+
+        >>> s = dpftrl.band_mf_strategy(100, 4)
+        >>> acc.b_min_sep(s, 2.0, 20, steps=100)  # 5 participations: gaussian(2 / sqrt(5))
+    """
+    strategy = _check_strategy(strategy)
+    sigma = check_noise_multiplier(noise_multiplier)
+    b = check_positive_int(min_separation, name="min_separation")
+    steps = check_nonnegative_int(steps, name="steps")
+    if steps > strategy.n:
+        raise ConfigurationError(f"steps={steps} exceeds the {strategy.n} steps of {strategy!r}.")
+    if steps == 0:
+        return gaussian(sigma) * 0
+    k = -(-steps // b)
+    return mf_gaussian(strategy, sigma, participations=k, min_separation=b if k > 1 else None)
+
+
+def balls_in_bins(strategy: Any, noise_multiplier: float, epoch_steps: int, *, steps: int) -> PrivacyProcess:
+    """The first ``steps`` steps of the matrix mechanism with balls-in-bins batches.
+
+    Every epoch of ``s = epoch_steps`` steps, each example lands in exactly one batch
+    (:class:`~opake_compile.sampling.BallsInBinsSampler`, new bins every epoch; Chua et al.
+    2024, "Balls-and-bins sampling for DP-SGD"), so it takes part once per epoch with no
+    minimum separation across epoch boundaries. The charge is the Gaussian mechanism
+    ``gaussian(sigma / strategy.epoch_sensitivity(s, steps))``: the sensitivity of the first
+    ``steps`` rows of ``M x`` maximised over every such pattern (an upper bound, exact for the
+    identity, ``sqrt(epochs)``, and for banded strategies of at most ``s + 1`` bands with
+    nonnegative ``M^T M``). The randomness of the bins is not credited: the amplified analyses
+    (Chua et al. 2024; Choquette-Choo et al. 2024) are Monte Carlo estimates, not built.
+    Nondecreasing in ``steps``. With the identity strategy this is DP-SGD with balls-in-bins
+    batches accounted as ``epochs`` unsubsampled Gaussian steps.
+
+    Args:
+        strategy: the :class:`~opake_compile.dpftrl.strategies.Strategy`.
+        noise_multiplier: sigma >= 0.
+        epoch_steps: ``s >= 1``, batches per epoch (the sampler's ``steps``).
+        steps: steps taken, ``0 <= steps <= strategy.n`` (0 costs nothing).
+
+    Raises:
+        InputTypeError: not a strategy.
+        ConfigurationError: a bad value, ``steps > strategy.n``.
+
+    Example::
+
+        >>> acc.balls_in_bins(dpftrl.identity_strategy(40), 2.0, 10, steps=40)  # gaussian(1.0)
+    """
+    strategy = _check_strategy(strategy)
+    sigma = check_noise_multiplier(noise_multiplier)
+    s = check_positive_int(epoch_steps, name="epoch_steps")
+    steps = check_nonnegative_int(steps, name="steps")
+    if steps > strategy.n:
+        raise ConfigurationError(f"steps={steps} exceeds the {strategy.n} steps of {strategy!r}.")
+    if steps == 0:
+        return gaussian(sigma) * 0
+    return gaussian(sigma / strategy.epoch_sensitivity(s, steps))
+
+
 @dataclasses.dataclass(frozen=True)
 class MFPlan:
     """How a ``DPOptimizer`` charges correlated noise with its sampler.
 
     Attributes:
-        kind: ``"cyclic_poisson"``, ``"poisson"`` or ``"fixed"``.
+        kind: ``"cyclic_poisson"``, ``"poisson"``, ``"fixed"``, ``"b_min_sep"`` or
+            ``"balls_in_bins"`` (the sampler's ``sampling``).
         strategy, noise_multiplier: the mechanism.
         sample_rate: q (Poisson kinds) or ``None``.
-        period: steps per group cycle (``bands``; 1 for plain Poisson) or per epoch
-            (``"fixed"``: the min-separation).
+        period: steps per group cycle (``bands``; 1 for plain Poisson), the min-separation
+            (``"fixed"``: steps per epoch; ``"b_min_sep"``: ``b``) or steps per epoch
+            (``"balls_in_bins"``).
         divisor: the sampler's expected batch size, the normaliser of the noised sum.
     """
 
@@ -133,11 +229,11 @@ class MFPlan:
         """The privacy process of the first ``steps`` steps."""
         if steps > self.strategy.n:
             raise ConfigurationError(f"{steps} steps exceed the {self.strategy.n} steps of {self.strategy!r}.")
-        if self.kind == "fixed":
-            if steps == 0:
-                return gaussian(self.noise_multiplier) * 0
-            k = -(-steps // self.period)
-            return mf_gaussian(self.strategy, self.noise_multiplier, participations=k, min_separation=self.period)
+        if self.kind in ("fixed", "b_min_sep"):
+            # fixed batches: participations exactly `period` apart, a special case of b-min-sep
+            return b_min_sep(self.strategy, self.noise_multiplier, self.period, steps=steps)
+        if self.kind == "balls_in_bins":
+            return balls_in_bins(self.strategy, self.noise_multiplier, self.period, steps=steps)
         if self.kind == "poisson":
             return dpsgd_step_process(self.noise_multiplier, self.sample_rate) * steps
         return mf_poisson(self.strategy, self.noise_multiplier, self.sample_rate, bands=self.period, steps=steps)
@@ -150,7 +246,17 @@ class MFPlan:
         if self.kind == "cyclic_poisson":
             rounds = accountant.max_steps(poisson(gaussian(self.noise_multiplier), self.sample_rate), budget, limit=n)
             return min(n, rounds * self.period)
-        # fixed: epsilon grows with the participations; search over them
+        if self.kind == "balls_in_bins":
+            # the sensitivity of the first T rows is nondecreasing in T: bisect
+            lo, hi = 0, n
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if budget.allows(self.process(mid), accountant):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+        # fixed, b_min_sep: epsilon grows with the participations; search over them
         epochs = -(-n // self.period)
         fit = 0
         for k in range(1, epochs + 1):
@@ -167,7 +273,10 @@ def mf_plan(strategy: Any, noise_multiplier: float, sampler: Any) -> MFPlan:
     at most ``sampler.bands`` bands (:func:`mf_poisson`);
     :class:`~opake_compile.sampling.PoissonSampler` with the identity strategy (DP-SGD);
     :class:`~opake_compile.sampling.SequentialBatchSampler` with any strategy
-    (:func:`mf_gaussian`, ``min_separation`` = steps per epoch).
+    (:func:`mf_gaussian`, ``min_separation`` = steps per epoch);
+    :class:`~opake_compile.sampling.BMinSepSampler` with any strategy (:func:`b_min_sep`);
+    :class:`~opake_compile.sampling.BallsInBinsSampler` with any strategy
+    (:func:`balls_in_bins`). The last three are charged without amplification.
 
     Raises:
         ConfigurationError: any other combination (the reason is in the message).
@@ -195,13 +304,13 @@ def mf_plan(strategy: Any, noise_multiplier: float, sampler: Any) -> MFPlan:
         return MFPlan("poisson", strategy, sigma, float(sampler.sample_rate), 1, divisor)
     if kind == "fixed":
         return MFPlan("fixed", strategy, sigma, None, int(sampler.steps), divisor)
+    if kind == "b_min_sep":
+        b = int(sampler.min_separation)
+        return MFPlan("b_min_sep", strategy, sigma, None, b, divisor)
     if kind == "balls_in_bins":
-        raise ConfigurationError(
-            "Balls-in-bins sampling with correlated noise is only analysed by Monte Carlo (Chua et al. 2024; "
-            "Choquette-Choo et al. 2024), which is not built: its epsilon cannot be charged. Use "
-            "SequentialBatchSampler (accounted without amplification) or CyclicPoissonSampler with BandMF."
-        )
+        return MFPlan("balls_in_bins", strategy, sigma, None, int(sampler.steps), divisor)
     raise ConfigurationError(
         f"Correlated noise cannot be accounted with a {type(sampler).__name__}: it declares no sampling scheme "
-        "this mechanism knows (CyclicPoissonSampler, SequentialBatchSampler; PoissonSampler for identity)."
+        "this mechanism knows (CyclicPoissonSampler, SequentialBatchSampler, BMinSepSampler, BallsInBinsSampler; "
+        "PoissonSampler for identity)."
     )

@@ -205,8 +205,9 @@ def mf_gaussian_noise(strategy: Strategy, noise_multiplier: float, key: Any) -> 
     for SGD via optimal private linear operators on adaptive streams"; Choquette-Choo et al.
     2023). Its privacy over the run is that of one Gaussian mechanism with noise multiplier
     ``sigma / sens`` (``sens`` the strategy's sensitivity under the participation pattern):
-    :func:`opake_compile.accounting.mf_gaussian`, or amplified by cyclic Poisson sampling for
-    BandMF: :func:`opake_compile.accounting.mf_poisson`.
+    :func:`opake_compile.accounting.mf_gaussian` (:func:`~opake_compile.accounting.b_min_sep`,
+    :func:`~opake_compile.accounting.balls_in_bins` for those samplers), or amplified by cyclic
+    Poisson sampling for BandMF: :func:`opake_compile.accounting.mf_poisson`.
 
     Args:
         strategy: a strategy from :mod:`opake_compile.dpftrl.strategies`; it fixes the number of

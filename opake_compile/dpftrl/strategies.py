@@ -14,8 +14,10 @@ vectors of the model's size (see :mod:`opake_compile.dpftrl.noise`).
 Normalisation: every strategy is scaled so that its largest column norm, the L2 sensitivity of
 ``M x`` when one example takes part in one step with a gradient of norm <= 1, is exactly 1.
 So ``noise_multiplier`` keeps the meaning it has in DP-SGD for one participation; several
-participations raise the sensitivity, reported by :meth:`Strategy.sensitivity` and charged by
-:func:`opake_compile.accounting.mf_gaussian`.
+participations raise the sensitivity, reported by :meth:`Strategy.sensitivity` (``k``
+participations at least ``b`` apart) and :meth:`Strategy.epoch_sensitivity` (one per epoch,
+balls-in-bins) and charged by :func:`opake_compile.accounting.mf_gaussian`,
+:func:`~opake_compile.accounting.b_min_sep` and :func:`~opake_compile.accounting.balls_in_bins`.
 
 The factories:
 
@@ -160,6 +162,44 @@ class Strategy:
             return math.sqrt(k)
         return float(k)
 
+    def epoch_sensitivity(self, epoch_steps: int, steps: int | None = None) -> float:
+        """The L2 sensitivity of the first ``steps`` rows of ``M x`` when an example takes part
+        at most once in each epoch of ``epoch_steps`` consecutive steps, anywhere in it.
+
+        This is the participation pattern of balls-in-bins sampling that draws new bins every
+        epoch (:class:`~opake_compile.sampling.BallsInBinsSampler`): epoch ``e`` covers steps
+        ``[e s, (e + 1) s)``, so two participations in consecutive epochs can be 1 step apart
+        (the last step of one epoch, the first of the next), with no minimum separation. The
+        first ``T = steps`` rows of ``M x`` depend only on the leading ``T x T`` block of ``M``
+        (lower triangular), so the value is that block's and is nondecreasing in ``T``.
+
+        How it is computed, with ``G = M_T^T M_T`` (Toeplitz ``M``: ``G[i, j] = sum_(u <= T - 1
+        - max(i, j)) m_u m_(u + |i - j|)``): an example at positions ``p_0 < p_1 < ...`` (one
+        per epoch) with gradients ``g_e`` of norm <= 1 changes the release by
+        ``||sum_e M[:, p_e] g_e^T||_F^2 = sum_(e, f) G[p_e, p_f] <g_e, g_f>
+        <= sum_(e, f) |G[p_e, p_f]|``. The diagonal and consecutive-epoch terms are maximised
+        exactly by dynamic programming over the position in each epoch (a chain: each term
+        couples two neighbouring epochs); every term of epochs ``d >= 2`` apart, whose lags
+        lie in ``[(d - 1) s + 1, (d + 1) s - 1]``, is bounded by the largest
+        ``sum_u |m_u| |m_(u + l)|`` over those lags. The result is an upper bound, never an
+        underestimate; it is exact when ``G >= 0`` entrywise and ``M`` has at most ``s + 1``
+        bands (identity: ``sqrt(epochs)``; BandMF with nonnegative coefficients), since then
+        the terms of non-neighbouring epochs vanish. Cost ``O(T s)`` time plus ``O(T^2)`` for
+        the far terms (an autocorrelation), memory ``O(T)`` plus blocks of about 32 MiB.
+
+        Args:
+            epoch_steps: ``s``, steps per epoch, >= 1.
+            steps: ``T``, rows released, ``1 <= T <= n`` (default :attr:`n`).
+
+        Raises:
+            ConfigurationError: a bad value, or ``steps > n``.
+        """
+        s = check_positive_int(epoch_steps, name="epoch_steps")
+        t = self.n if steps is None else check_positive_int(steps, name="steps")
+        if t > self.n:
+            raise ConfigurationError(f"steps={t} exceeds the {self.n} steps of {self!r}.")
+        return math.sqrt(_epoch_sens_sq(self.strategy_coefs(t), s))
+
     # ------------------------------------------------------------------ utility
     def per_step_squared_error(self, participations: int = 1, min_separation: int | None = None) -> np.ndarray:
         """Expected squared error of each prefix sum, shape ``(n,)``, for noise multiplier 1
@@ -198,6 +238,54 @@ def _minsep_sq(m: np.ndarray, b: int, k: int) -> float:
     for i in range(k):
         v[i * b :] += m[: n - i * b]
     return float(v @ v)
+
+
+def _abs_autocorr(a: np.ndarray) -> np.ndarray:
+    """``A[l] = sum_u a[u] a[u + l]`` for ``l < len(a)`` (``a >= 0``), never rounded down."""
+    n = len(a)
+    if n <= 20000:
+        return np.correlate(a, a, mode="full")[n - 1 :]
+    from scipy.signal import fftconvolve
+
+    out = fftconvolve(a, a[::-1])[n - 1 :]
+    return np.maximum(out, 0.0) + 1e-9 * float(a @ a)  # FFT rounding, bounded above
+
+
+def _epoch_sens_sq(m: np.ndarray, s: int) -> float:
+    """Upper bound on ``max sum_(e, f) |G[p_e, p_f]|`` over one position ``p_e`` per epoch of
+    ``s`` steps, ``G = M^T M`` for the Toeplitz ``M`` with first column ``m`` (see
+    :meth:`Strategy.epoch_sensitivity`): exact chain DP for the diagonal and neighbouring
+    epochs, a bound for epochs two or more apart."""
+    t = len(m)
+    epochs = -(-t // s)
+    far = 0.0
+    if epochs >= 3:
+        acorr = _abs_autocorr(np.abs(m))
+        for d in range(2, epochs):
+            lo, hi = (d - 1) * s + 1, min((d + 1) * s - 1, t - 1)
+            far += 2.0 * (epochs - d) * float(acorr[lo : hi + 1].max())
+    lags = np.arange(2 * s)
+    padded = np.concatenate([m, np.zeros(2 * s)])
+    carry = np.zeros(2 * s)  # D_l(r) = sum_(u <= r) m_u m_(u + l), carried as r grows
+    chunk = max(1, (1 << 22) // (3 * s))  # rows of D per block: bounded memory for long epochs
+    best = np.zeros(min(s, t - (epochs - 1) * s))  # max over the next epoch, per position
+    for e in range(epochs - 1, -1, -1):  # r = t - 1 - p grows as e falls
+        start, end = e * s, min(e * s + s, t)
+        value = np.empty(end - start)  # V_e(p): best sum over epochs >= e with p_e = p
+        best_prev = np.full(s, -np.inf) if e > 0 else None  # for epoch e - 1 (full length s)
+        for r0 in range(t - end, t - start, chunk):
+            u = np.arange(r0, min(r0 + chunk, t - start))
+            d = carry + np.cumsum(m[u][:, None] * padded[u[:, None] + lags[None, :]], axis=0)
+            carry = d[-1]
+            b = (t - 1 - u) - start  # positions of these rows in epoch e
+            value[b] = np.abs(d[:, 0]) + best[b]
+            if best_prev is not None:
+                # G[p_a, p_b] for p_a = start - s + a in epoch e - 1: lag s + b - a, row r = t - 1 - p_b
+                lag = s + b[:, None] - np.arange(s)[None, :]
+                cand = 2.0 * np.abs(np.take_along_axis(d, lag, axis=1)) + value[b][:, None]
+                best_prev = np.maximum(best_prev, cand.max(axis=0))
+        best = best_prev
+    return float(value.max()) + far
 
 
 def _make(name: str, n: int, num: np.ndarray, den: np.ndarray, *, replay: bool = False, **params: Any) -> Strategy:
