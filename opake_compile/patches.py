@@ -314,7 +314,9 @@ def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor
 
     def get_mask(feature_vector_length: int, attention_mask: torch.Tensor, add_adapter: Any = None) -> torch.Tensor:
         lengths = attention_mask.cumsum(dim=-1)[:, -1]
-        lengths = mod._get_feat_extract_output_lengths(lengths, add_adapter=add_adapter).to(torch.long)
+        # HuBERT and some other copies take no ``add_adapter`` (nor pass one).
+        extra = {} if add_adapter is None else {"add_adapter": add_adapter}
+        lengths = mod._get_feat_extract_output_lengths(lengths, **extra).to(torch.long)
         last = torch.remainder(lengths - 1, feature_vector_length)
         positions = torch.arange(feature_vector_length, device=attention_mask.device)
         return positions[None, :] <= last[:, None]
@@ -322,24 +324,138 @@ def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor
     return get_mask
 
 
-def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tensor]:
-    """transformers' SpecAugment (``_mask_hidden_states`` in training mode) draws its masks
-    with NumPy on the host from the examples' lengths: under tracing that would either fail or
-    bake one fixed "random" mask into the graph for every step. Refuse it by name."""
+def _span_mask(
+    batch: int, size: int, prob: float, span: int, min_spans: int, lengths: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """SpecAugment's random spans (Park et al. 2019, "SpecAugment: A Simple Data Augmentation
+    Method for Automatic Speech Recognition"), drawn in the graph with the distribution of
+    transformers' ``_compute_mask_indices``, independently for each row.
+
+    Row ``i`` of length ``L_i`` (``lengths[i]``, or ``size`` without lengths) masks ``n_i`` spans
+    of ``span`` positions: ``n_i = floor(prob * L_i / span + eps_i)`` with ``eps_i ~ U[0, 1)``, at
+    least ``min_spans``, at most ``size // span`` spans when ``n_i * span > size``, and at most
+    ``max(L_i - span + 1, 0)``; the span starts are a uniform sample without replacement of the
+    valid starts ``0 .. L_i - span`` (uniform keys, the ``n_i`` smallest ranks), and each start
+    covers ``span`` positions (a difference of cumulative sums). Like transformers, a row that
+    draws no span while a full-length row would have (same ``eps_i``) masks position
+    ``size - 1`` (a padded one). transformers draws one ``eps`` for the whole batch; here each
+    row draws its own, so every row's mask has the same distribution as there but depends on
+    nothing of the other rows (a per-example transform under ``vmap`` sees one row).
+
+    Returns a bool tensor ``(batch, size)``. Raises ``ValueError`` as transformers does when
+    ``span < 1`` or ``span > size``.
+    """
+    if span < 1:
+        raise ValueError("`mask_length` has to be bigger than 0.")
+    if span > size:
+        raise ValueError(f"`mask_length` has to be smaller than `sequence_length`, but got `mask_length`: {span} and `sequence_length`: {size}`")
+    starts_n = size - span + 1
+    eps = torch.rand(batch, dtype=torch.float64, device=device)
+    keys = torch.rand(batch, starts_n, device=device)
+    full = torch.full((batch,), float(size), dtype=torch.float64, device=device)
+    length = full if lengths is None else lengths.to(torch.float64)
+
+    def num_spans(n_frames: torch.Tensor) -> torch.Tensor:
+        n = torch.floor(prob * n_frames / span + eps).clamp_min(min_spans)
+        n = torch.where(n * span > size, float(size // span), n)
+        return torch.minimum(n, (n_frames - (span - 1)).clamp_min(0))
+
+    n = num_spans(length)
+    positions = torch.arange(starts_n, device=device)
+    valid = positions[None, :] <= (length - span)[:, None]
+    ranks = torch.where(valid, keys, 2.0).argsort(dim=-1).argsort(dim=-1)
+    starts = (valid & (ranks < n[:, None])).to(torch.int32)
+    counts = torch.nn.functional.pad(starts, (0, span - 1)).cumsum(dim=-1)  # (batch, size)
+    before = torch.nn.functional.pad(counts, (span, 0))[:, :size]  # starts more than span-1 back
+    mask = (counts - before) > 0
+    dummy = (n == 0) & (num_spans(full) > 0)
+    last = torch.arange(size, device=device) == size - 1
+    return mask | (last[None, :] & dummy[:, None])
+
+
+def _fingerprint(fn: Any) -> str:
+    """A digest of a function's syntax tree without docstrings (comments and layout do not count)."""
+    import ast
+    import hashlib
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+# (``_mask_hidden_states``, ``_compute_mask_indices``) fingerprints of the transformers code whose
+# distribution ``_span_mask`` reproduces (Wav2Vec2 and the ten speech models that copy it,
+# transformers 5). Other code is refused rather than guessed.
+_KNOWN_SPEC_AUGMENT = frozenset({("487ca55588afe1c1", "574a9b55f067a14f")})
+_SPEC_AUGMENT_KIND: dict[type, bool] = {}
+
+
+def _is_known_spec_augment(cls: type) -> bool:
+    if cls not in _SPEC_AUGMENT_KIND:
+        try:
+            method = cls._mask_hidden_states
+            draw = method.__globals__["_compute_mask_indices"]
+            _SPEC_AUGMENT_KIND[cls] = (_fingerprint(method), _fingerprint(draw)) in _KNOWN_SPEC_AUGMENT
+        except Exception:  # noqa: BLE001 - no source, another structure: not recognised
+            _SPEC_AUGMENT_KIND[cls] = False
+    return _SPEC_AUGMENT_KIND[cls]
+
+
+def _spec_augment_in_graph(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """transformers' SpecAugment (``_mask_hidden_states``) with its masks drawn in the graph.
+
+    transformers draws the masks with NumPy on the host, which a traced graph would freeze into
+    one mask for every step. This replacement draws them with torch (:func:`_span_mask`, same
+    distribution) inside the per-example transform, so, like dropout, each example draws its own
+    mask from the step's key (``vmap(randomness="different")``), from its own length only. The
+    time mask writes the trainable ``masked_spec_embed`` with ``where`` (its gradient is per
+    example); the feature mask zeroes features. A ``_mask_hidden_states`` whose code is not the
+    one recognised is refused by name (:class:`UnsupportedOperationError`) when it would draw.
+    """
     original = mod._mask_hidden_states
+    known = _is_known_spec_augment(type(mod))
 
     def mask_hidden_states(hidden_states: torch.Tensor, mask_time_indices: Any = None, attention_mask: Any = None) -> torch.Tensor:
-        config = getattr(mod, "config", None)
-        drawn = (mask_time_indices is None and getattr(config, "mask_time_prob", 0) > 0) or getattr(config, "mask_feature_prob", 0) > 0
-        if mod.training and getattr(config, "apply_spec_augment", True) and drawn:
+        config = mod.config
+        if not getattr(config, "apply_spec_augment", True):
+            return hidden_states
+        draws_time = mask_time_indices is None and config.mask_time_prob > 0 and mod.training
+        draws_feature = config.mask_feature_prob > 0 and mod.training
+        if not known and (draws_time or draws_feature):
             raise UnsupportedOperationError(
                 f"{type(mod).__name__} applies SpecAugment in training mode (config.mask_time_prob="
-                f"{getattr(config, 'mask_time_prob', 0)}, mask_feature_prob={getattr(config, 'mask_feature_prob', 0)}), "
-                "whose masks are drawn with NumPy outside the graph: compile_dp cannot redraw them each step. "
-                "Set config.mask_time_prob = config.mask_feature_prob = 0 (or apply_spec_augment=False), "
-                "or pass mask_time_indices drawn in your data pipeline."
+                f"{config.mask_time_prob}, mask_feature_prob={config.mask_feature_prob}) with a "
+                "_mask_hidden_states that compile_dp does not recognise (another transformers version?): its "
+                "NumPy masks would be frozen into the graph. Set config.mask_time_prob = config.mask_feature_prob = 0 "
+                "(or apply_spec_augment=False), or pass mask_time_indices drawn in your data pipeline."
             )
-        return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+        if not known:
+            return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+        batch, frames, features = hidden_states.shape
+        embed = mod.masked_spec_embed.to(hidden_states.dtype)
+        if mask_time_indices is not None:
+            if mask_time_indices.dtype == torch.bool:
+                hidden_states = torch.where(mask_time_indices[..., None], embed, hidden_states)
+            else:  # transformers indexes with it as given
+                hidden_states[mask_time_indices] = embed
+        elif draws_time:
+            lengths = None if attention_mask is None else attention_mask.sum(-1)
+            time_mask = _span_mask(
+                batch, frames, config.mask_time_prob, config.mask_time_length, config.mask_time_min_masks,
+                lengths, hidden_states.device,
+            )
+            hidden_states = torch.where(time_mask[..., None], embed, hidden_states)
+        if draws_feature:
+            feature_mask = _span_mask(
+                batch, features, config.mask_feature_prob, config.mask_feature_length, config.mask_feature_min_masks,
+                None, hidden_states.device,
+            )
+            hidden_states = torch.where(feature_mask[:, None, :], 0.0, hidden_states)
+        return hidden_states
 
     return mask_hidden_states
 
@@ -348,7 +464,7 @@ def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tenso
 # traced model that have them, as instance attributes, while tracing only.
 _METHOD_SHIMS: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module], Callable[..., Any]]], ...] = (
     ("_get_feature_vector_attention_mask", ("_get_feat_extract_output_lengths",), _feature_vector_attention_mask),
-    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _refuse_host_drawn_spec_augment),
+    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _spec_augment_in_graph),
 )
 
 
