@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -211,58 +212,117 @@ class _BatchDraws:
 
 @dataclasses.dataclass(frozen=True)
 class _LayerDropSite:
-    owner: Any  # the config object holding ``layerdrop``
+    owner: Any  # the object holding the probability: the module or its config
+    attr: str  # the probability's attribute on ``owner``
     probability: float
-    layers: tuple[nn.Module, ...]
+    layers: tuple[nn.Module, ...]  # the layers that are dropped (WavLM never drops its first)
+    module: str  # the module's name in the model, for messages
 
 
-_DRAWS_LAYERDROP: dict[type, bool] = {}
+@dataclasses.dataclass(frozen=True)
+class _LayerDropKind:
+    """How a class's ``forward`` draws LayerDrop over ``self.layers``, read from its source."""
+
+    on_config: bool  # ``self.config.<attr>`` (Wav2Vec2) rather than ``self.<attr>`` (BART)
+    attr: str  # ``layerdrop``, ``speech_encoder_layerdrop``, ...
+    skip_first: bool  # ``i > 0 and ...``: the first layer is never dropped (WavLM)
 
 
-def _draws_layerdrop(cls: type) -> bool:
-    """Whether ``cls.forward`` flips LayerDrop's coin the transformers way
-    (``torch.rand([]) < self.config.layerdrop``), read once per class from its source."""
-    if cls not in _DRAWS_LAYERDROP:
+# A host-side coin in Python: torch's, NumPy's or the standard library's.
+_COIN = re.compile(r"torch\.rand\(|np\.random\.|numpy\.random\.|\brandom\.(?:uniform|random)\(")
+_PROBABILITY = re.compile(r"\bself\.(config\.)?(\w*layerdrop)\b")
+_LOOP_OVER_LAYERS = re.compile(r"\bfor\b[^\n]*\bin\s+(?:enumerate\()?self\.layers\b")
+_FIRST_KEPT = re.compile(r"\b\w+\s*>\s*0\s+and\s+self\.(?:config\.)?\w*layerdrop\b")
+_LAYERDROP_KIND: dict[type, _LayerDropKind | str | None] = {}
+
+
+def _layerdrop_kind(cls: type) -> _LayerDropKind | str | None:
+    """Whether ``cls.forward`` flips a LayerDrop coin in Python, read once per class from its
+    source: ``None`` if it does not, a :class:`_LayerDropKind` if it is the pattern that can be
+    selected in the graph (a loop over ``self.layers`` that skips a layer when a host draw is
+    below one probability attribute: ``self.layerdrop`` as in BART, Whisper, Marian, ...,
+    ``self.config.layerdrop`` as in Wav2Vec2), else the reason it cannot."""
+    if cls not in _LAYERDROP_KIND:
         try:
             src = inspect.getsource(cls.forward)
         except (OSError, TypeError):
             src = ""
-        _DRAWS_LAYERDROP[cls] = "torch.rand(" in src and "self.config.layerdrop" in src
-    return _DRAWS_LAYERDROP[cls]
+        names = {(bool(m.group(1)), m.group(2)) for m in _PROBABILITY.finditer(src)}
+        if not names or not _COIN.search(src):
+            kind: _LayerDropKind | str | None = None
+        elif len(names) > 1:
+            kind = f"it reads several LayerDrop probabilities ({sorted(n for _, n in names)})"
+        elif not _LOOP_OVER_LAYERS.search(src):
+            kind = "its layers are not one `self.layers` list looped over in forward"
+        else:
+            on_config, attr = names.pop()
+            kind = _LayerDropKind(on_config=on_config, attr=attr, skip_first=bool(_FIRST_KEPT.search(src)))
+        _LAYERDROP_KIND[cls] = kind
+    return _LAYERDROP_KIND[cls]
+
+
+def _probability_of(mod: nn.Module, on_config: bool, attr: str) -> tuple[Any, float | None]:
+    owner = getattr(mod, "config", None) if on_config else mod
+    p = getattr(owner, attr, None)
+    return owner, (float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None)
 
 
 def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
-    """Modules in training mode with a ``layers`` list and a positive ``config.layerdrop`` that
-    their ``forward`` draws against."""
+    """Modules in training mode whose ``forward`` draws LayerDrop with a positive probability.
+
+    Raises:
+        UnsupportedOperationError: such a module draws it in a form that cannot be selected in
+            the graph (named, with the probability to set to 0).
+    """
     sites = []
-    seen: set[int] = set()
-    for mod in model.modules():
+    for name, mod in model.named_modules():
+        kind = _layerdrop_kind(type(mod)) if mod.training else None
+        if kind is None:
+            continue
+        where = f"'{name or '<root>'}' ({type(mod).__name__})"
+        if isinstance(kind, str):
+            probabilities = [
+                (f"config.{attr}" if on_config else attr, p)
+                for on_config, attr in sorted({(bool(m.group(1)), m.group(2)) for m in _PROBABILITY.finditer(inspect.getsource(type(mod).forward))})
+                for _, p in [_probability_of(mod, on_config, attr)]
+                if p is not None and p > 0
+            ]
+            if probabilities:
+                raise UnsupportedOperationError(
+                    f"Module {where} applies LayerDrop in training mode ({', '.join(f'{a}={p}' for a, p in probabilities)}) "
+                    f"with a coin drawn in Python that compile_dp cannot move into the graph: {kind}. "
+                    "Set that probability to 0 (or put the module in eval mode) to train it with compile_dp."
+                )
+            continue
+        owner, p = _probability_of(mod, kind.on_config, kind.attr)
         layers = getattr(mod, "layers", None)
-        config = getattr(mod, "config", None)
-        p = getattr(config, "layerdrop", None)
-        if not (mod.training and isinstance(layers, nn.ModuleList) and isinstance(p, (int, float))):
+        if p is None or p <= 0 or not isinstance(layers, nn.ModuleList):
             continue
-        if p <= 0 or id(mod) in seen or not _draws_layerdrop(type(mod)):
-            continue
-        seen.add(id(mod))
-        sites.append(_LayerDropSite(owner=config, probability=float(p), layers=tuple(layers)))
+        chosen = tuple(layers)[1:] if kind.skip_first else tuple(layers)
+        sites.append(_LayerDropSite(owner=owner, attr=kind.attr, probability=p, layers=chosen, module=where))
     return sites
 
 
-def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float) -> Callable[..., Any]:
+def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float, where: str) -> Callable[..., Any]:
     forward = layer.forward
 
-    def gated(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = forward(hidden_states, *args, **kwargs)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        hidden_states = args[0] if args else kwargs.get("hidden_states")
+        out = forward(*args, **kwargs)
         u = draws.values
         if u is None:  # not inside the traced step (no draws): run the layer as built
             return out
         keep = u[slot] >= p
+        first = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, tuple) and out else None)
+        if not isinstance(hidden_states, torch.Tensor) or not isinstance(first, torch.Tensor) or first.shape != hidden_states.shape:
+            raise UnsupportedOperationError(
+                f"LayerDrop of {where}: its layer {type(layer).__name__} does not map hidden states to hidden states "
+                f"of the same shape (got {type(out).__name__}), so whether it ran cannot be selected in a static graph. "
+                "Set its LayerDrop probability to 0 to train it with compile_dp."
+            )
         if isinstance(out, torch.Tensor):
             return torch.where(keep, out, hidden_states)
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return (torch.where(keep, out[0], hidden_states), *out[1:])
-        raise TypeError(f"LayerDrop: unexpected output type {type(out).__name__} of {type(layer).__name__}")
+        return (torch.where(keep, out[0], hidden_states), *out[1:])
 
     return gated
 
@@ -270,24 +330,24 @@ def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float) ->
 @contextlib.contextmanager
 def _layerdrop_in_graph(model: nn.Module, draws: _BatchDraws) -> Iterator[None]:
     sites = _layerdrop_sites(model)
-    saved_p: list[tuple[Any, float]] = []
+    saved_p: list[tuple[Any, str, float]] = []
     gated: list[tuple[nn.Module, Any]] = []
     try:
         slot = 0
         for site in sites:
             for layer in site.layers:
                 gated.append((layer, layer.__dict__.get("forward", _NO_ATTR)))
-                layer.forward = _gated_forward(layer, draws, slot, site.probability)
+                layer.forward = _gated_forward(layer, draws, slot, site.probability, site.module)
                 slot += 1
         for site in sites:
-            if not any(owner is site.owner for owner, _ in saved_p):
-                saved_p.append((site.owner, site.owner.layerdrop))
-                site.owner.layerdrop = 0.0
+            if not any(owner is site.owner and attr == site.attr for owner, attr, _ in saved_p):
+                saved_p.append((site.owner, site.attr, getattr(site.owner, site.attr)))
+                setattr(site.owner, site.attr, 0.0)  # the Python coin never skips a layer
         draws.count = slot
         yield
     finally:
-        for owner, p in saved_p:
-            owner.layerdrop = p
+        for owner, attr, p in reversed(saved_p):
+            setattr(owner, attr, p)
         for layer, before in reversed(gated):
             if before is _NO_ATTR:
                 layer.__dict__.pop("forward", None)
@@ -300,7 +360,12 @@ _NO_ATTR = object()
 
 def count_batch_draws(model: nn.Module) -> int:
     """How many per-logical-batch uniform draws tracing ``model`` needs (one per LayerDrop
-    layer in training mode)."""
+    layer in training mode).
+
+    Raises:
+        UnsupportedOperationError: a module draws LayerDrop in a form that cannot be selected
+            in the graph (see :func:`_layerdrop_sites`).
+    """
     return sum(len(s.layers) for s in _layerdrop_sites(model))
 
 
@@ -436,7 +501,8 @@ def _spec_augment_in_graph(mod: nn.Module) -> Callable[..., torch.Tensor]:
         if not known:
             return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
         batch, frames, features = hidden_states.shape
-        embed = mod.masked_spec_embed.to(hidden_states.dtype)
+        if mask_time_indices is not None or draws_time:
+            embed = mod.masked_spec_embed.to(hidden_states.dtype)
         if mask_time_indices is not None:
             if mask_time_indices.dtype == torch.bool:
                 hidden_states = torch.where(mask_time_indices[..., None], embed, hidden_states)

@@ -262,6 +262,79 @@ def test_layerdrop_is_drawn_once_per_logical_batch() -> None:
     assert all("forward" not in layer.__dict__ for layer in model.wav2vec2.encoder.layers)
 
 
+def _bart(**overrides):  # noqa: ANN003, ANN202
+    kw = dict(
+        vocab_size=40, d_model=8, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=24, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return _build(lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(**kw))).train()
+
+
+def _bart_loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def test_bart_layerdrop_is_selected_in_the_graph_once_per_logical_batch() -> None:
+    """BART's LayerDrop (``torch.rand([]) < self.layerdrop`` in the encoder and decoder loops,
+    from encoder_layerdrop / decoder_layerdrop): each call equals the microbatch oracle of one
+    set of dropped layers, the same for every example; the set changes across steps; the
+    draws are a graph input of the step (one per layer)."""
+    model = _bart(encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    args = (_ids(B, T, 40, 21), _padding_mask(B, T, [7, 3, 5, 1, 6]), _ids(B, 4, 40, 22))
+    c = 0.05
+    layers = lambda m: [*m.model.encoder.layers, *m.model.decoder.layers]  # noqa: E731
+    oracles = {}
+    for skipped in itertools.chain.from_iterable(itertools.combinations(range(3), r) for r in range(4)):
+        ref = _bart()
+        for i in skipped:
+            layers(ref)[i].forward = lambda h, *a, **k: h
+        oracles[skipped] = loop_reference(ref, _bart_loss, args, c)[0]
+    step = opake.compile_dp(_bart_loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=P, key=opake.random.key(4))
+    seen = set()
+    for _ in range(4):
+        got = step(*args).clipped.grads
+        # Per parameter (float32 sums of small gradients: 1e-4 relative): a dropped layer's
+        # gradient is exactly zero, a kept one's is not.
+        match = [s for s, want in oracles.items() if all(_close_per_key(got[k], want[k]) for k in want)]
+        assert match, "the result matches no set of dropped layers"
+        # Sets that match together give one gradient (both decoder layers dropped: the encoder's
+        # layers do not reach the loss, whichever ran).
+        assert all(_close_per_key(oracles[s][k], oracles[match[0]][k]) for s in match for k in got)
+        seen.add(tuple(match))
+    assert len(seen) >= 2
+    assert [c.traced.layout.batch_draws for c in step._cache.values()] == [3]
+    assert model.model.encoder.layerdrop == 0.5 and model.model.decoder.layerdrop == 0.5
+    assert all("forward" not in layer.__dict__ for layer in layers(model))
+
+
+def _close_per_key(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = float(want.double().abs().max())
+    return float((got.double() - want.double()).abs().max()) <= 1e-4 * scale if scale > 0 else float(got.abs().max()) == 0
+
+
+def test_layerdrop_sites_read_from_source() -> None:
+    """WavLM never drops its first layer (``i > 0 and ...``); Flaubert's layers are parallel
+    lists, which cannot be selected: refused by name while it would draw, accepted at 0."""
+    from opake_compile.patches import _layerdrop_sites, count_batch_draws
+
+    wavlm_cfg = transformers.WavLMConfig(
+        hidden_size=8, num_hidden_layers=3, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4), conv_stride=(4, 2),
+        conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, layerdrop=0.3, num_buckets=8,
+    )
+    wavlm = _build(lambda: transformers.WavLMModel(wavlm_cfg)).train()
+    (site,) = _layerdrop_sites(wavlm)
+    assert site.layers == tuple(wavlm.encoder.layers)[1:] and site.probability == 0.3
+    assert count_batch_draws(wavlm.eval()) == 0
+    flaubert_cfg = transformers.FlaubertConfig(vocab_size=40, emb_dim=8, n_layers=2, n_heads=2, layerdrop=0.2)
+    flaubert = _build(lambda: transformers.FlaubertModel(flaubert_cfg)).train()
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"FlaubertModel.*layerdrop=0.2"):
+        count_batch_draws(flaubert)
+    flaubert.layerdrop = 0.0
+    assert count_batch_draws(flaubert) == 0
+
+
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     try:
         _compare(got, want)
