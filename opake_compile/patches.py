@@ -1,9 +1,10 @@
 """What ``compile_dp`` changes while it traces a loss, and the explicit global opt-in.
 
 The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
-sometimes looks at tensor values in Python, which a static per-example graph cannot do. Three
-patterns are handled while :func:`~opake_compile.compile_dp` traces, and only then (every
-change is undone when tracing returns or raises):
+sometimes looks at tensor values in Python, or draws random numbers on the host, which a
+static per-example graph cannot do. Four patterns are handled while
+:func:`~opake_compile.compile_dp` traces, and only then (every change is undone when tracing
+returns or raises):
 
 1. **Shortcuts that inspect data.** Code that checks a tensor's values to skip work that would
    not change the result (transformers 5 skips building the attention mask when
@@ -20,16 +21,35 @@ change is undone when tracing returns or raises):
    one such method of transformers' speech models (``_get_feature_vector_attention_mask``) is
    replaced, on the traced model's instances, by a functional one with the same values.
 3. **LayerDrop** (Fan et al. 2019, "Reducing Transformer Depth on Demand with Structured
-   Dropout"). A module with a ``layers`` list and a positive ``config.layerdrop`` (Wav2Vec2,
-   HuBERT, WavLM, Data2VecAudio, ... in training mode) draws ``torch.rand([]) < p`` in Python to
-   skip a layer. While tracing, that branch is switched off and every layer's output becomes
+   Dropout"). A module in training mode whose ``forward`` loops over ``self.layers`` and skips a
+   layer when a Python coin (``torch.rand([])``, NumPy's or the standard library's) falls below
+   a positive probability, ``self.config.layerdrop`` (Wav2Vec2, HuBERT, ...) or
+   ``self.layerdrop`` (BART, mBART, Marian, Pegasus, M2M100, Whisper, Speech2Text, ..., set from
+   ``encoder_layerdrop``/``decoder_layerdrop``), is recognised from its source. While tracing,
+   that probability reads 0 (the coin never skips) and every droppable layer's output becomes
    ``where(u_i >= p, layer(h), h)``, where ``u`` is a graph input drawn **once per logical
-   batch** from the step's key. This is a documented exception to per-example randomness: the
-   draw selects layers, not any example's data, and a non-private batch also draws it once for
-   all its rows. Each layer's decision is drawn once per step, so a loss that runs the model
-   twice drops the same layers in both runs. The probability is read when the loss is traced.
-   SpecAugment in training mode (transformers' ``_mask_hidden_states``) draws its masks with
-   NumPy outside any graph; it is refused by name rather than frozen into the graph.
+   batch** from the step's key (``InputLayout.batch_draws`` counts them; WavLM's first layer,
+   which it never drops, is not gated). This is a documented exception to per-example
+   randomness: the draw selects layers, not any example's data, and a non-private batch also
+   draws it once for all its rows. Each layer's decision is drawn once per step, so a loss that
+   runs the model twice drops the same layers in both runs. The probability is read when the
+   loss is traced. A LayerDrop the graph cannot select is refused by name
+   (:class:`~opake_compile.exceptions.UnsupportedOperationError`): layers kept in parallel lists
+   (Flaubert, Informer's encoder) and layers whose output shape differs from their input
+   (the speech models' adapters).
+4. **SpecAugment** (Park et al. 2019, "SpecAugment: A Simple Data Augmentation Method for
+   Automatic Speech Recognition"). transformers' speech models (Wav2Vec2 and the ten that copy
+   its ``_mask_hidden_states``: HuBERT, WavLM, Data2VecAudio, SEW, SEW-D, UniSpeech, ...) draw
+   their time and feature masks with NumPy on the host, which a graph would freeze into one
+   mask for every step. While tracing, that method is replaced on the model's instances by one
+   that draws the masks in the graph with the same distribution as ``_compute_mask_indices``
+   (per-row span count with a random rounding, uniform span starts without replacement within
+   the row's own length, spans of ``mask_length``), filling masked frames with the trainable
+   ``masked_spec_embed`` through ``where`` and zeroing masked features. The draws are per
+   example, like dropout's (``vmap(randomness="different")``, seeded from the step's key), and
+   depend on that example's length only; transformers shares one rounding draw across the
+   batch, which changes no example's mask distribution. Code that is not the recognised one
+   (another transformers version) is refused by name when it would draw.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -318,7 +338,7 @@ def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float, wh
             raise UnsupportedOperationError(
                 f"LayerDrop of {where}: its layer {type(layer).__name__} does not map hidden states to hidden states "
                 f"of the same shape (got {type(out).__name__}), so whether it ran cannot be selected in a static graph. "
-                "Set its LayerDrop probability to 0 to train it with compile_dp."
+                "Set that module's LayerDrop probability to 0 to train it with compile_dp."
             )
         if isinstance(out, torch.Tensor):
             return torch.where(keep, out, hidden_states)
@@ -337,7 +357,7 @@ def _layerdrop_in_graph(model: nn.Module, draws: _BatchDraws) -> Iterator[None]:
         for site in sites:
             for layer in site.layers:
                 gated.append((layer, layer.__dict__.get("forward", _NO_ATTR)))
-                layer.forward = _gated_forward(layer, draws, slot, site.probability, site.module)
+                layer.forward = _gated_forward(layer, draws, slot, site.probability, f"{site.module} ({'' if isinstance(site.owner, nn.Module) else 'config.'}{site.attr}={site.probability})")
                 slot += 1
         for site in sites:
             if not any(owner is site.owner and attr == site.attr for owner, attr, _ in saved_p):

@@ -1,10 +1,12 @@
-"""Hugging Face models with 2-D padding masks, masked writes and LayerDrop under ``compile_dp``.
+"""Hugging Face models with 2-D padding masks, masked writes, LayerDrop and SpecAugment under
+``compile_dp``.
 
 Every model is built from a small ``transformers`` config (no download) and gets a 2-D
 ``attention_mask`` with real padding. In eval mode the compiled clipped sum must equal the
 microbatch oracle (each example alone at batch size one, plain autograd, clip, sum). In training
 mode (dropout and LayerDrop on) the step must run and be reproducible from its key, and LayerDrop
-must drop the same layers for every example of a logical batch. Attention is the eager one
+must drop the same layers for every example of a logical batch (Wav2Vec2's and BART's forms);
+SpecAugment's masks are drawn in the graph per example with transformers' distribution. Attention is the eager one
 (``attn_implementation="eager"``): batching SDPA is another item of the same issue.
 """
 
@@ -333,6 +335,16 @@ def test_layerdrop_sites_read_from_source() -> None:
         count_batch_draws(flaubert)
     flaubert.layerdrop = 0.0
     assert count_batch_draws(flaubert) == 0
+
+
+def test_layerdrop_of_shape_changing_layers_is_refused_by_name() -> None:
+    """Wav2Vec2's adapter drops layers that halve the time axis: whether one ran would change
+    the graph's shapes, so it is refused by name (it used to freeze one NumPy draw)."""
+    model = _ctc_model("wav2vec2", add_adapter=True, output_hidden_size=8, adapter_stride=2, num_adapter_layers=1, mask_time_prob=0.0)
+    assert model.wav2vec2.adapter.layerdrop > 0
+    step = opake.compile_dp(_frame_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"'wav2vec2.adapter' \(Wav2Vec2Adapter\) \(layerdrop=0.1\)"):
+        step(*_audio_batch())
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
