@@ -316,8 +316,14 @@ def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
             continue
         owner, p = _probability_of(mod, kind.on_config, kind.attr)
         layers = getattr(mod, "layers", None)
-        if p is None or p <= 0 or not isinstance(layers, nn.ModuleList):
+        if p is None or p <= 0:
             continue
+        if not isinstance(layers, nn.ModuleList):
+            raise UnsupportedOperationError(
+                f"Module {where} applies LayerDrop in training mode ({kind.attr}={p}) over `self.layers`, which is "
+                f"a {type(layers).__name__}, not an nn.ModuleList: compile_dp cannot gate its layers in the graph. "
+                "Set that probability to 0 (or put the module in eval mode) to train it with compile_dp."
+            )
         chosen = tuple(layers)[1:] if kind.skip_first else tuple(layers)
         sites.append(_LayerDropSite(owner=owner, attr=kind.attr, probability=p, layers=chosen, module=where))
     return sites

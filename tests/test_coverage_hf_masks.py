@@ -316,6 +316,24 @@ def _close_per_key(got: torch.Tensor, want: torch.Tensor) -> bool:
     return float((got.double() - want.double()).abs().max()) <= 1e-4 * scale if scale > 0 else float(got.abs().max()) == 0
 
 
+class _OwnLayerDrop(nn.Module):
+    """A user's module with BART's LayerDrop form (a NumPy coin against ``self.layerdrop``)."""
+
+    def __init__(self, layers: nn.Module) -> None:
+        super().__init__()
+        self.layers = layers
+        self.layerdrop = 0.25
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        for layer in self.layers:
+            if self.training and np.random.random() < self.layerdrop:
+                continue
+            h = layer(h)
+        return h
+
+
 def test_layerdrop_sites_read_from_source() -> None:
     """WavLM never drops its first layer (``i > 0 and ...``); Flaubert's layers are parallel
     lists, which cannot be selected: refused by name while it would draw, accepted at 0."""
@@ -335,6 +353,9 @@ def test_layerdrop_sites_read_from_source() -> None:
         count_batch_draws(flaubert)
     flaubert.layerdrop = 0.0
     assert count_batch_draws(flaubert) == 0
+    assert count_batch_draws(_OwnLayerDrop(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))) == 2
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"_OwnLayerDrop.*Sequential"):
+        count_batch_draws(_OwnLayerDrop(nn.Sequential(nn.Linear(2, 2))))
 
 
 def test_layerdrop_of_shape_changing_layers_is_refused_by_name() -> None:
