@@ -162,7 +162,7 @@ def _wav2vec2(size: str):
         intermediate_size=64 if tiny else 1024, conv_dim=(16, 16) if tiny else (128, 128, 128),
         conv_kernel=(10, 3) if tiny else (10, 3, 3), conv_stride=(5, 2) if tiny else (5, 2, 2),
         num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, feat_extract_norm="layer",
-        do_stable_layer_norm=True, layerdrop=0.1, num_labels=4, mask_time_prob=0.0,
+        do_stable_layer_norm=True, num_labels=4,  # default LayerDrop (0.1) and SpecAugment (mask_time_prob 0.05)
     )
     model = transformers.Wav2Vec2ForSequenceClassification(cfg)
     t = 400 if tiny else 16000
@@ -322,7 +322,7 @@ ZOO: dict[str, Entry] = {
         Entry("roberta", "RoBERTa sequence classifier, 2-D padding mask", lambda s: _encoder_classifier("roberta", s), ("transformers",)),
         Entry("t5", "T5 encoder-decoder, 2-D padding mask", _t5, ("transformers",)),
         Entry("vit", "ViT image classifier (ViT-B/16 width at bench size, 224x224)", _vit, ("transformers",)),
-        Entry("wav2vec2", "Wav2Vec2 audio classifier, 2-D mask, layerdrop", _wav2vec2, ("transformers",)),
+        Entry("wav2vec2", "Wav2Vec2 audio classifier, 2-D mask, default LayerDrop and SpecAugment", _wav2vec2, ("transformers",)),
         Entry("resnet18_gn", "ResNet-18 with GroupNorm, 32x32 images", _resnet18_gn),
         Entry("lstm_packed", "2-layer bidirectional LSTM over packed sequences", lambda s: _recurrent("lstm", s)),
         Entry("gru", "2-layer bidirectional GRU", lambda s: _recurrent("gru", s)),

@@ -1,9 +1,10 @@
 """What ``compile_dp`` changes while it traces a loss, and the explicit global opt-in.
 
 The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
-sometimes looks at tensor values in Python, which a static per-example graph cannot do. Three
-patterns are handled while :func:`~opake_compile.compile_dp` traces, and only then (every
-change is undone when tracing returns or raises):
+sometimes looks at tensor values in Python, or draws random numbers on the host, which a
+static per-example graph cannot do. Four patterns are handled while
+:func:`~opake_compile.compile_dp` traces, and only then (every change is undone when tracing
+returns or raises):
 
 1. **Shortcuts that inspect data.** Code that checks a tensor's values to skip work that would
    not change the result (transformers 5 skips building the attention mask when
@@ -20,16 +21,35 @@ change is undone when tracing returns or raises):
    one such method of transformers' speech models (``_get_feature_vector_attention_mask``) is
    replaced, on the traced model's instances, by a functional one with the same values.
 3. **LayerDrop** (Fan et al. 2019, "Reducing Transformer Depth on Demand with Structured
-   Dropout"). A module with a ``layers`` list and a positive ``config.layerdrop`` (Wav2Vec2,
-   HuBERT, WavLM, Data2VecAudio, ... in training mode) draws ``torch.rand([]) < p`` in Python to
-   skip a layer. While tracing, that branch is switched off and every layer's output becomes
+   Dropout"). A module in training mode whose ``forward`` loops over ``self.layers`` and skips a
+   layer when a Python coin (``torch.rand([])``, NumPy's or the standard library's) falls below
+   a positive probability, ``self.config.layerdrop`` (Wav2Vec2, HuBERT, ...) or
+   ``self.layerdrop`` (BART, mBART, Marian, Pegasus, M2M100, Whisper, Speech2Text, ..., set from
+   ``encoder_layerdrop``/``decoder_layerdrop``), is recognised from its source. While tracing,
+   that probability reads 0 (the coin never skips) and every droppable layer's output becomes
    ``where(u_i >= p, layer(h), h)``, where ``u`` is a graph input drawn **once per logical
-   batch** from the step's key. This is a documented exception to per-example randomness: the
-   draw selects layers, not any example's data, and a non-private batch also draws it once for
-   all its rows. Each layer's decision is drawn once per step, so a loss that runs the model
-   twice drops the same layers in both runs. The probability is read when the loss is traced.
-   SpecAugment in training mode (transformers' ``_mask_hidden_states``) draws its masks with
-   NumPy outside any graph; it is refused by name rather than frozen into the graph.
+   batch** from the step's key (``InputLayout.batch_draws`` counts them; WavLM's first layer,
+   which it never drops, is not gated). This is a documented exception to per-example
+   randomness: the draw selects layers, not any example's data, and a non-private batch also
+   draws it once for all its rows. Each layer's decision is drawn once per step, so a loss that
+   runs the model twice drops the same layers in both runs. The probability is read when the
+   loss is traced. A LayerDrop the graph cannot select is refused by name
+   (:class:`~opake_compile.exceptions.UnsupportedOperationError`): layers kept in parallel lists
+   (Flaubert, Informer's encoder) and layers whose output shape differs from their input
+   (the speech models' adapters).
+4. **SpecAugment** (Park et al. 2019, "SpecAugment: A Simple Data Augmentation Method for
+   Automatic Speech Recognition"). transformers' speech models (Wav2Vec2 and the ten that copy
+   its ``_mask_hidden_states``: HuBERT, WavLM, Data2VecAudio, SEW, SEW-D, UniSpeech, ...) draw
+   their time and feature masks with NumPy on the host, which a graph would freeze into one
+   mask for every step. While tracing, that method is replaced on the model's instances by one
+   that draws the masks in the graph with the same distribution as ``_compute_mask_indices``
+   (per-row span count with a random rounding, uniform span starts without replacement within
+   the row's own length, spans of ``mask_length``), filling masked frames with the trainable
+   ``masked_spec_embed`` through ``where`` and zeroing masked features. The draws are per
+   example, like dropout's (``vmap(randomness="different")``, seeded from the step's key), and
+   depend on that example's length only; transformers shares one rounding draw across the
+   batch, which changes no example's mask distribution. Code that is not the recognised one
+   (another transformers version) is refused by name when it would draw.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -43,6 +63,7 @@ import contextlib
 import dataclasses
 import importlib
 import inspect
+import re
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -211,58 +232,123 @@ class _BatchDraws:
 
 @dataclasses.dataclass(frozen=True)
 class _LayerDropSite:
-    owner: Any  # the config object holding ``layerdrop``
+    owner: Any  # the object holding the probability: the module or its config
+    attr: str  # the probability's attribute on ``owner``
     probability: float
-    layers: tuple[nn.Module, ...]
+    layers: tuple[nn.Module, ...]  # the layers that are dropped (WavLM never drops its first)
+    module: str  # the module's name in the model, for messages
 
 
-_DRAWS_LAYERDROP: dict[type, bool] = {}
+@dataclasses.dataclass(frozen=True)
+class _LayerDropKind:
+    """How a class's ``forward`` draws LayerDrop over ``self.layers``, read from its source."""
+
+    on_config: bool  # ``self.config.<attr>`` (Wav2Vec2) rather than ``self.<attr>`` (BART)
+    attr: str  # ``layerdrop``, ``speech_encoder_layerdrop``, ...
+    skip_first: bool  # ``i > 0 and ...``: the first layer is never dropped (WavLM)
 
 
-def _draws_layerdrop(cls: type) -> bool:
-    """Whether ``cls.forward`` flips LayerDrop's coin the transformers way
-    (``torch.rand([]) < self.config.layerdrop``), read once per class from its source."""
-    if cls not in _DRAWS_LAYERDROP:
+# A host-side coin in Python: torch's, NumPy's or the standard library's.
+_COIN = re.compile(r"torch\.rand\(|np\.random\.|numpy\.random\.|\brandom\.(?:uniform|random)\(")
+_PROBABILITY = re.compile(r"\bself\.(config\.)?(\w*layerdrop)\b")
+_LOOP_OVER_LAYERS = re.compile(r"\bfor\b[^\n]*\bin\s+(?:enumerate\()?self\.layers\b")
+_FIRST_KEPT = re.compile(r"\b\w+\s*>\s*0\s+and\s+self\.(?:config\.)?\w*layerdrop\b")
+_LAYERDROP_KIND: dict[type, _LayerDropKind | str | None] = {}
+
+
+def _layerdrop_kind(cls: type) -> _LayerDropKind | str | None:
+    """Whether ``cls.forward`` flips a LayerDrop coin in Python, read once per class from its
+    source: ``None`` if it does not, a :class:`_LayerDropKind` if it is the pattern that can be
+    selected in the graph (a loop over ``self.layers`` that skips a layer when a host draw is
+    below one probability attribute: ``self.layerdrop`` as in BART, Whisper, Marian, ...,
+    ``self.config.layerdrop`` as in Wav2Vec2), else the reason it cannot."""
+    if cls not in _LAYERDROP_KIND:
         try:
             src = inspect.getsource(cls.forward)
         except (OSError, TypeError):
             src = ""
-        _DRAWS_LAYERDROP[cls] = "torch.rand(" in src and "self.config.layerdrop" in src
-    return _DRAWS_LAYERDROP[cls]
+        names = {(bool(m.group(1)), m.group(2)) for m in _PROBABILITY.finditer(src)}
+        if not names or not _COIN.search(src):
+            kind: _LayerDropKind | str | None = None
+        elif len(names) > 1:
+            kind = f"it reads several LayerDrop probabilities ({sorted(n for _, n in names)})"
+        elif not _LOOP_OVER_LAYERS.search(src):
+            kind = "its layers are not one `self.layers` list looped over in forward"
+        else:
+            on_config, attr = names.pop()
+            kind = _LayerDropKind(on_config=on_config, attr=attr, skip_first=bool(_FIRST_KEPT.search(src)))
+        _LAYERDROP_KIND[cls] = kind
+    return _LAYERDROP_KIND[cls]
+
+
+def _probability_of(mod: nn.Module, on_config: bool, attr: str) -> tuple[Any, float | None]:
+    owner = getattr(mod, "config", None) if on_config else mod
+    p = getattr(owner, attr, None)
+    return owner, (float(p) if isinstance(p, (int, float)) and not isinstance(p, bool) else None)
 
 
 def _layerdrop_sites(model: nn.Module) -> list[_LayerDropSite]:
-    """Modules in training mode with a ``layers`` list and a positive ``config.layerdrop`` that
-    their ``forward`` draws against."""
+    """Modules in training mode whose ``forward`` draws LayerDrop with a positive probability.
+
+    Raises:
+        UnsupportedOperationError: such a module draws it in a form that cannot be selected in
+            the graph (named, with the probability to set to 0).
+    """
     sites = []
-    seen: set[int] = set()
-    for mod in model.modules():
+    for name, mod in model.named_modules():
+        kind = _layerdrop_kind(type(mod)) if mod.training else None
+        if kind is None:
+            continue
+        where = f"'{name or '<root>'}' ({type(mod).__name__})"
+        if isinstance(kind, str):
+            probabilities = [
+                (f"config.{attr}" if on_config else attr, p)
+                for on_config, attr in sorted({(bool(m.group(1)), m.group(2)) for m in _PROBABILITY.finditer(inspect.getsource(type(mod).forward))})
+                for _, p in [_probability_of(mod, on_config, attr)]
+                if p is not None and p > 0
+            ]
+            if probabilities:
+                raise UnsupportedOperationError(
+                    f"Module {where} applies LayerDrop in training mode ({', '.join(f'{a}={p}' for a, p in probabilities)}) "
+                    f"with a coin drawn in Python that compile_dp cannot move into the graph: {kind}. "
+                    "Set that probability to 0 (or put the module in eval mode) to train it with compile_dp."
+                )
+            continue
+        owner, p = _probability_of(mod, kind.on_config, kind.attr)
         layers = getattr(mod, "layers", None)
-        config = getattr(mod, "config", None)
-        p = getattr(config, "layerdrop", None)
-        if not (mod.training and isinstance(layers, nn.ModuleList) and isinstance(p, (int, float))):
+        if p is None or p <= 0:
             continue
-        if p <= 0 or id(mod) in seen or not _draws_layerdrop(type(mod)):
-            continue
-        seen.add(id(mod))
-        sites.append(_LayerDropSite(owner=config, probability=float(p), layers=tuple(layers)))
+        if not isinstance(layers, nn.ModuleList):
+            raise UnsupportedOperationError(
+                f"Module {where} applies LayerDrop in training mode ({kind.attr}={p}) over `self.layers`, which is "
+                f"a {type(layers).__name__}, not an nn.ModuleList: compile_dp cannot gate its layers in the graph. "
+                "Set that probability to 0 (or put the module in eval mode) to train it with compile_dp."
+            )
+        chosen = tuple(layers)[1:] if kind.skip_first else tuple(layers)
+        sites.append(_LayerDropSite(owner=owner, attr=kind.attr, probability=p, layers=chosen, module=where))
     return sites
 
 
-def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float) -> Callable[..., Any]:
+def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float, where: str) -> Callable[..., Any]:
     forward = layer.forward
 
-    def gated(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = forward(hidden_states, *args, **kwargs)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        hidden_states = args[0] if args else kwargs.get("hidden_states")
+        out = forward(*args, **kwargs)
         u = draws.values
         if u is None:  # not inside the traced step (no draws): run the layer as built
             return out
         keep = u[slot] >= p
+        first = out if isinstance(out, torch.Tensor) else (out[0] if isinstance(out, tuple) and out else None)
+        if not isinstance(hidden_states, torch.Tensor) or not isinstance(first, torch.Tensor) or first.shape != hidden_states.shape:
+            raise UnsupportedOperationError(
+                f"LayerDrop of {where}: its layer {type(layer).__name__} does not map hidden states to hidden states "
+                f"of the same shape (got {type(out).__name__}), so whether it ran cannot be selected in a static graph. "
+                "Set that module's LayerDrop probability to 0 to train it with compile_dp."
+            )
         if isinstance(out, torch.Tensor):
             return torch.where(keep, out, hidden_states)
-        if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-            return (torch.where(keep, out[0], hidden_states), *out[1:])
-        raise TypeError(f"LayerDrop: unexpected output type {type(out).__name__} of {type(layer).__name__}")
+        return (torch.where(keep, out[0], hidden_states), *out[1:])
 
     return gated
 
@@ -270,24 +356,24 @@ def _gated_forward(layer: nn.Module, draws: _BatchDraws, slot: int, p: float) ->
 @contextlib.contextmanager
 def _layerdrop_in_graph(model: nn.Module, draws: _BatchDraws) -> Iterator[None]:
     sites = _layerdrop_sites(model)
-    saved_p: list[tuple[Any, float]] = []
+    saved_p: list[tuple[Any, str, float]] = []
     gated: list[tuple[nn.Module, Any]] = []
     try:
         slot = 0
         for site in sites:
             for layer in site.layers:
                 gated.append((layer, layer.__dict__.get("forward", _NO_ATTR)))
-                layer.forward = _gated_forward(layer, draws, slot, site.probability)
+                layer.forward = _gated_forward(layer, draws, slot, site.probability, f"{site.module} ({'' if isinstance(site.owner, nn.Module) else 'config.'}{site.attr}={site.probability})")
                 slot += 1
         for site in sites:
-            if not any(owner is site.owner for owner, _ in saved_p):
-                saved_p.append((site.owner, site.owner.layerdrop))
-                site.owner.layerdrop = 0.0
+            if not any(owner is site.owner and attr == site.attr for owner, attr, _ in saved_p):
+                saved_p.append((site.owner, site.attr, getattr(site.owner, site.attr)))
+                setattr(site.owner, site.attr, 0.0)  # the Python coin never skips a layer
         draws.count = slot
         yield
     finally:
-        for owner, p in saved_p:
-            owner.layerdrop = p
+        for owner, attr, p in reversed(saved_p):
+            setattr(owner, attr, p)
         for layer, before in reversed(gated):
             if before is _NO_ATTR:
                 layer.__dict__.pop("forward", None)
@@ -300,7 +386,12 @@ _NO_ATTR = object()
 
 def count_batch_draws(model: nn.Module) -> int:
     """How many per-logical-batch uniform draws tracing ``model`` needs (one per LayerDrop
-    layer in training mode)."""
+    layer in training mode).
+
+    Raises:
+        UnsupportedOperationError: a module draws LayerDrop in a form that cannot be selected
+            in the graph (see :func:`_layerdrop_sites`).
+    """
     return sum(len(s.layers) for s in _layerdrop_sites(model))
 
 
@@ -314,7 +405,9 @@ def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor
 
     def get_mask(feature_vector_length: int, attention_mask: torch.Tensor, add_adapter: Any = None) -> torch.Tensor:
         lengths = attention_mask.cumsum(dim=-1)[:, -1]
-        lengths = mod._get_feat_extract_output_lengths(lengths, add_adapter=add_adapter).to(torch.long)
+        # HuBERT and some other copies take no ``add_adapter`` (nor pass one).
+        extra = {} if add_adapter is None else {"add_adapter": add_adapter}
+        lengths = mod._get_feat_extract_output_lengths(lengths, **extra).to(torch.long)
         last = torch.remainder(lengths - 1, feature_vector_length)
         positions = torch.arange(feature_vector_length, device=attention_mask.device)
         return positions[None, :] <= last[:, None]
@@ -322,24 +415,139 @@ def _feature_vector_attention_mask(mod: nn.Module) -> Callable[..., torch.Tensor
     return get_mask
 
 
-def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tensor]:
-    """transformers' SpecAugment (``_mask_hidden_states`` in training mode) draws its masks
-    with NumPy on the host from the examples' lengths: under tracing that would either fail or
-    bake one fixed "random" mask into the graph for every step. Refuse it by name."""
+def _span_mask(
+    batch: int, size: int, prob: float, span: int, min_spans: int, lengths: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """SpecAugment's random spans (Park et al. 2019, "SpecAugment: A Simple Data Augmentation
+    Method for Automatic Speech Recognition"), drawn in the graph with the distribution of
+    transformers' ``_compute_mask_indices``, independently for each row.
+
+    Row ``i`` of length ``L_i`` (``lengths[i]``, or ``size`` without lengths) masks ``n_i`` spans
+    of ``span`` positions: ``n_i = floor(prob * L_i / span + eps_i)`` with ``eps_i ~ U[0, 1)``, at
+    least ``min_spans``, at most ``size // span`` spans when ``n_i * span > size``, and at most
+    ``max(L_i - span + 1, 0)``; the span starts are a uniform sample without replacement of the
+    valid starts ``0 .. L_i - span`` (uniform keys, the ``n_i`` smallest ranks), and each start
+    covers ``span`` positions (a difference of cumulative sums). Like transformers, a row that
+    draws no span while a full-length row would have (same ``eps_i``) masks position
+    ``size - 1`` (a padded one). transformers draws one ``eps`` for the whole batch; here each
+    row draws its own, so every row's mask has the same distribution as there but depends on
+    nothing of the other rows (a per-example transform under ``vmap`` sees one row).
+
+    Returns a bool tensor ``(batch, size)``. Raises ``ValueError`` as transformers does when
+    ``span < 1`` or ``span > size``.
+    """
+    if span < 1:
+        raise ValueError("`mask_length` has to be bigger than 0.")
+    if span > size:
+        raise ValueError(f"`mask_length` has to be smaller than `sequence_length`, but got `mask_length`: {span} and `sequence_length`: {size}`")
+    starts_n = size - span + 1
+    eps = torch.rand(batch, dtype=torch.float64, device=device)
+    keys = torch.rand(batch, starts_n, device=device)
+    full = torch.full((batch,), float(size), dtype=torch.float64, device=device)
+    length = full if lengths is None else lengths.to(torch.float64)
+
+    def num_spans(n_frames: torch.Tensor) -> torch.Tensor:
+        n = torch.floor(prob * n_frames / span + eps).clamp_min(min_spans)
+        n = torch.where(n * span > size, float(size // span), n)
+        return torch.minimum(n, (n_frames - (span - 1)).clamp_min(0))
+
+    n = num_spans(length)
+    positions = torch.arange(starts_n, device=device)
+    valid = positions[None, :] <= (length - span)[:, None]
+    ranks = torch.where(valid, keys, 2.0).argsort(dim=-1).argsort(dim=-1)
+    starts = (valid & (ranks < n[:, None])).to(torch.int32)
+    counts = torch.nn.functional.pad(starts, (0, span - 1)).cumsum(dim=-1)  # (batch, size)
+    before = torch.nn.functional.pad(counts, (span, 0))[:, :size]  # starts more than span-1 back
+    mask = (counts - before) > 0
+    dummy = (n == 0) & (num_spans(full) > 0)
+    last = torch.arange(size, device=device) == size - 1
+    return mask | (last[None, :] & dummy[:, None])
+
+
+def _fingerprint(fn: Any) -> str:
+    """A digest of a function's syntax tree without docstrings (comments and layout do not count)."""
+    import ast
+    import hashlib
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+# (``_mask_hidden_states``, ``_compute_mask_indices``) fingerprints of the transformers code whose
+# distribution ``_span_mask`` reproduces (Wav2Vec2 and the ten speech models that copy it,
+# transformers 5). Other code is refused rather than guessed.
+_KNOWN_SPEC_AUGMENT = frozenset({("487ca55588afe1c1", "574a9b55f067a14f")})
+_SPEC_AUGMENT_KIND: dict[type, bool] = {}
+
+
+def _is_known_spec_augment(cls: type) -> bool:
+    if cls not in _SPEC_AUGMENT_KIND:
+        try:
+            method = cls._mask_hidden_states
+            draw = method.__globals__["_compute_mask_indices"]
+            _SPEC_AUGMENT_KIND[cls] = (_fingerprint(method), _fingerprint(draw)) in _KNOWN_SPEC_AUGMENT
+        except Exception:  # noqa: BLE001 - no source, another structure: not recognised
+            _SPEC_AUGMENT_KIND[cls] = False
+    return _SPEC_AUGMENT_KIND[cls]
+
+
+def _spec_augment_in_graph(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """transformers' SpecAugment (``_mask_hidden_states``) with its masks drawn in the graph.
+
+    transformers draws the masks with NumPy on the host, which a traced graph would freeze into
+    one mask for every step. This replacement draws them with torch (:func:`_span_mask`, same
+    distribution) inside the per-example transform, so, like dropout, each example draws its own
+    mask from the step's key (``vmap(randomness="different")``), from its own length only. The
+    time mask writes the trainable ``masked_spec_embed`` with ``where`` (its gradient is per
+    example); the feature mask zeroes features. A ``_mask_hidden_states`` whose code is not the
+    one recognised is refused by name (:class:`UnsupportedOperationError`) when it would draw.
+    """
     original = mod._mask_hidden_states
+    known = _is_known_spec_augment(type(mod))
 
     def mask_hidden_states(hidden_states: torch.Tensor, mask_time_indices: Any = None, attention_mask: Any = None) -> torch.Tensor:
-        config = getattr(mod, "config", None)
-        drawn = (mask_time_indices is None and getattr(config, "mask_time_prob", 0) > 0) or getattr(config, "mask_feature_prob", 0) > 0
-        if mod.training and getattr(config, "apply_spec_augment", True) and drawn:
+        config = mod.config
+        if not getattr(config, "apply_spec_augment", True):
+            return hidden_states
+        draws_time = mask_time_indices is None and config.mask_time_prob > 0 and mod.training
+        draws_feature = config.mask_feature_prob > 0 and mod.training
+        if not known and (draws_time or draws_feature):
             raise UnsupportedOperationError(
                 f"{type(mod).__name__} applies SpecAugment in training mode (config.mask_time_prob="
-                f"{getattr(config, 'mask_time_prob', 0)}, mask_feature_prob={getattr(config, 'mask_feature_prob', 0)}), "
-                "whose masks are drawn with NumPy outside the graph: compile_dp cannot redraw them each step. "
-                "Set config.mask_time_prob = config.mask_feature_prob = 0 (or apply_spec_augment=False), "
-                "or pass mask_time_indices drawn in your data pipeline."
+                f"{config.mask_time_prob}, mask_feature_prob={config.mask_feature_prob}) with a "
+                "_mask_hidden_states that compile_dp does not recognise (another transformers version?): its "
+                "NumPy masks would be frozen into the graph. Set config.mask_time_prob = config.mask_feature_prob = 0 "
+                "(or apply_spec_augment=False), or pass mask_time_indices drawn in your data pipeline."
             )
-        return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+        if not known:
+            return original(hidden_states, mask_time_indices=mask_time_indices, attention_mask=attention_mask)
+        batch, frames, features = hidden_states.shape
+        if mask_time_indices is not None or draws_time:
+            embed = mod.masked_spec_embed.to(hidden_states.dtype)
+        if mask_time_indices is not None:
+            if mask_time_indices.dtype == torch.bool:
+                hidden_states = torch.where(mask_time_indices[..., None], embed, hidden_states)
+            else:  # transformers indexes with it as given
+                hidden_states[mask_time_indices] = embed
+        elif draws_time:
+            lengths = None if attention_mask is None else attention_mask.sum(-1)
+            time_mask = _span_mask(
+                batch, frames, config.mask_time_prob, config.mask_time_length, config.mask_time_min_masks,
+                lengths, hidden_states.device,
+            )
+            hidden_states = torch.where(time_mask[..., None], embed, hidden_states)
+        if draws_feature:
+            feature_mask = _span_mask(
+                batch, features, config.mask_feature_prob, config.mask_feature_length, config.mask_feature_min_masks,
+                None, hidden_states.device,
+            )
+            hidden_states = torch.where(feature_mask[:, None, :], 0.0, hidden_states)
+        return hidden_states
 
     return mask_hidden_states
 
@@ -348,7 +556,7 @@ def _refuse_host_drawn_spec_augment(mod: nn.Module) -> Callable[..., torch.Tenso
 # traced model that have them, as instance attributes, while tracing only.
 _METHOD_SHIMS: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module], Callable[..., Any]]], ...] = (
     ("_get_feature_vector_attention_mask", ("_get_feat_extract_output_lengths",), _feature_vector_attention_mask),
-    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _refuse_host_drawn_spec_augment),
+    ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _spec_augment_in_graph),
 )
 
 

@@ -1,10 +1,12 @@
-"""Hugging Face models with 2-D padding masks, masked writes and LayerDrop under ``compile_dp``.
+"""Hugging Face models with 2-D padding masks, masked writes, LayerDrop and SpecAugment under
+``compile_dp``.
 
 Every model is built from a small ``transformers`` config (no download) and gets a 2-D
 ``attention_mask`` with real padding. In eval mode the compiled clipped sum must equal the
 microbatch oracle (each example alone at batch size one, plain autograd, clip, sum). In training
 mode (dropout and LayerDrop on) the step must run and be reproducible from its key, and LayerDrop
-must drop the same layers for every example of a logical batch. Attention is the eager one
+must drop the same layers for every example of a logical batch (Wav2Vec2's and BART's forms);
+SpecAugment's masks are drawn in the graph per example with transformers' distribution. Attention is the eager one
 (``attn_implementation="eager"``): batching SDPA is another item of the same issue.
 """
 
@@ -262,6 +264,110 @@ def test_layerdrop_is_drawn_once_per_logical_batch() -> None:
     assert all("forward" not in layer.__dict__ for layer in model.wav2vec2.encoder.layers)
 
 
+def _bart(**overrides):  # noqa: ANN003, ANN202
+    kw = dict(
+        vocab_size=40, d_model=8, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=24, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, attn_implementation="eager",
+    )
+    kw.update(overrides)
+    return _build(lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(**kw))).train()
+
+
+def _bart_loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def test_bart_layerdrop_is_selected_in_the_graph_once_per_logical_batch() -> None:
+    """BART's LayerDrop (``torch.rand([]) < self.layerdrop`` in the encoder and decoder loops,
+    from encoder_layerdrop / decoder_layerdrop): each call equals the microbatch oracle of one
+    set of dropped layers, the same for every example; the set changes across steps; the
+    draws are a graph input of the step (one per layer)."""
+    model = _bart(encoder_layerdrop=0.5, decoder_layerdrop=0.5)
+    args = (_ids(B, T, 40, 21), _padding_mask(B, T, [7, 3, 5, 1, 6]), _ids(B, 4, 40, 22))
+    c = 0.05
+    layers = lambda m: [*m.model.encoder.layers, *m.model.decoder.layers]  # noqa: E731
+    oracles = {}
+    for skipped in itertools.chain.from_iterable(itertools.combinations(range(3), r) for r in range(4)):
+        ref = _bart()
+        for i in skipped:
+            layers(ref)[i].forward = lambda h, *a, **k: h
+        oracles[skipped] = loop_reference(ref, _bart_loss, args, c)[0]
+    step = opake.compile_dp(_bart_loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=P, key=opake.random.key(4))
+    seen = set()
+    for _ in range(4):
+        got = step(*args).clipped.grads
+        # Per parameter (float32 sums of small gradients: 1e-4 relative): a dropped layer's
+        # gradient is exactly zero, a kept one's is not.
+        match = [s for s, want in oracles.items() if all(_close_per_key(got[k], want[k]) for k in want)]
+        assert match, "the result matches no set of dropped layers"
+        # Sets that match together give one gradient (both decoder layers dropped: the encoder's
+        # layers do not reach the loss, whichever ran).
+        assert all(_close_per_key(oracles[s][k], oracles[match[0]][k]) for s in match for k in got)
+        seen.add(tuple(match))
+    assert len(seen) >= 2
+    assert [c.traced.layout.batch_draws for c in step._cache.values()] == [3]
+    assert model.model.encoder.layerdrop == 0.5 and model.model.decoder.layerdrop == 0.5
+    assert all("forward" not in layer.__dict__ for layer in layers(model))
+
+
+def _close_per_key(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = float(want.double().abs().max())
+    return float((got.double() - want.double()).abs().max()) <= 1e-4 * scale if scale > 0 else float(got.abs().max()) == 0
+
+
+class _OwnLayerDrop(nn.Module):
+    """A user's module with BART's LayerDrop form (a NumPy coin against ``self.layerdrop``)."""
+
+    def __init__(self, layers: nn.Module) -> None:
+        super().__init__()
+        self.layers = layers
+        self.layerdrop = 0.25
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        for layer in self.layers:
+            if self.training and np.random.random() < self.layerdrop:
+                continue
+            h = layer(h)
+        return h
+
+
+def test_layerdrop_sites_read_from_source() -> None:
+    """WavLM never drops its first layer (``i > 0 and ...``); Flaubert's layers are parallel
+    lists, which cannot be selected: refused by name while it would draw, accepted at 0."""
+    from opake_compile.patches import _layerdrop_sites, count_batch_draws
+
+    wavlm_cfg = transformers.WavLMConfig(
+        hidden_size=8, num_hidden_layers=3, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4), conv_stride=(4, 2),
+        conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2, layerdrop=0.3, num_buckets=8,
+    )
+    wavlm = _build(lambda: transformers.WavLMModel(wavlm_cfg)).train()
+    (site,) = _layerdrop_sites(wavlm)
+    assert site.layers == tuple(wavlm.encoder.layers)[1:] and site.probability == 0.3
+    assert count_batch_draws(wavlm.eval()) == 0
+    flaubert_cfg = transformers.FlaubertConfig(vocab_size=40, emb_dim=8, n_layers=2, n_heads=2, layerdrop=0.2)
+    flaubert = _build(lambda: transformers.FlaubertModel(flaubert_cfg)).train()
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"FlaubertModel.*layerdrop=0.2"):
+        count_batch_draws(flaubert)
+    flaubert.layerdrop = 0.0
+    assert count_batch_draws(flaubert) == 0
+    assert count_batch_draws(_OwnLayerDrop(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))) == 2
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"_OwnLayerDrop.*Sequential"):
+        count_batch_draws(_OwnLayerDrop(nn.Sequential(nn.Linear(2, 2))))
+
+
+def test_layerdrop_of_shape_changing_layers_is_refused_by_name() -> None:
+    """Wav2Vec2's adapter drops layers that halve the time axis: whether one ran would change
+    the graph's shapes, so it is refused by name (it used to freeze one NumPy draw)."""
+    model = _ctc_model("wav2vec2", add_adapter=True, output_hidden_size=8, adapter_stride=2, num_adapter_layers=1, mask_time_prob=0.0)
+    assert model.wav2vec2.adapter.layerdrop > 0
+    step = opake.compile_dp(_frame_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match=r"'wav2vec2.adapter' \(Wav2Vec2Adapter\) \(layerdrop=0.1\)"):
+        step(*_audio_batch())
+
+
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
     try:
         _compare(got, want)
@@ -320,8 +426,164 @@ def test_patches_are_scoped_to_tracing() -> None:
     assert not any(k in m.__dict__ for m in w2v.modules() for k in ("forward", "_get_feature_vector_attention_mask", "_mask_hidden_states"))
 
 
-def test_host_drawn_spec_augment_is_refused_by_name() -> None:
-    """SpecAugment's NumPy masks would be frozen into the graph: refused, naming the fix."""
+# ----------------------------------------------------------------------------- SpecAugment
+_ZERO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0)
+
+
+def _frame_loss(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A per-frame head's logits pooled over frames (CTC's own loss has no fake kernel)."""
+    return F.cross_entropy(m(input_values=x, attention_mask=mask).logits.mean(1), y)
+
+
+def _ctc_model(family: str, **overrides):  # noqa: ANN003, ANN202
+    """A tiny ``*ForCTC`` with the config's DEFAULT SpecAugment and LayerDrop (training mode)."""
+    kw = dict(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4),
+        conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        vocab_size=3, attn_implementation="eager",
+    )
+    kw.update(overrides)
+    config_cls, model_cls = {
+        "wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
+        "hubert": (transformers.HubertConfig, transformers.HubertForCTC),
+    }[family]
+    return _build(lambda: model_cls(config_cls(**kw))).train()
+
+
+@pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
+def test_default_spec_augment_trains_with_per_example_masks(family: str) -> None:
+    """Default config (mask_time_prob 0.05, span 10, at least 2 spans; HuBERT also masks
+    features), training mode, 2-D mask: the step runs, trains ``masked_spec_embed``, redraws
+    each step, replays from its key, and one example's result does not depend on another's
+    length (its masks are its own)."""
+    extra = {"mask_feature_prob": 0.3, "mask_feature_length": 2} if family == "hubert" else {}
+    model = _ctc_model(family, **extra)
+    assert model.config.mask_time_prob > 0 and model.config.layerdrop > 0
+    step = opake.compile_dp(
+        _frame_loss, model=model, clipping_norm=1e4, backend="aot_eager", physical_batch_size=P, key=opake.random.key(5)
+    )
+    args = _audio_batch()
+    saved = step.state_dict()
+    first, second = step(*args), step(*args)
+    embed = f"{family}.masked_spec_embed"
+    assert float(first.clipped.grads[embed].abs().max()) > 0
+    assert not torch.equal(first.clipped.grads[embed], second.clipped.grads[embed])
+    step.load_state_dict(saved)
+    again = step(*args)
+    assert all(torch.equal(again.clipped.grads[k], first.clipped.grads[k]) for k in first.clipped.grads)
+    # Example 1 shorter (same key): every other example's norm is bit-identical.
+    step.load_state_dict(saved)
+    shorter = args[1].clone()
+    shorter[1, 20:] = 0
+    moved = step(args[0], shorter, args[2]).clipped.per_example_norms
+    others = [0, 2, 3, 4]
+    assert torch.equal(moved[others], first.clipped.per_example_norms[others])
+    assert not torch.equal(moved[1], first.clipped.per_example_norms[1])
+    assert step.num_traces == 1
+    assert not any("_mask_hidden_states" in m.__dict__ for m in model.modules())
+
+
+def test_spec_augment_drawn_in_graph_matches_microbatch_oracle() -> None:
+    """``mask_time_prob=1, mask_time_length=1``: every valid start is drawn, so the in-graph
+    draw (uniform keys, ranks, spans) must mask exactly each example's own frames, as
+    transformers' NumPy draw does in the oracle; the gradient reaches ``masked_spec_embed``
+    through each example's mask."""
+    model = _ctc_model("wav2vec2", mask_time_prob=1.0, mask_time_length=1, mask_time_min_masks=0, layerdrop=0.0, **_ZERO_DROPOUT)
+    args = _audio_batch()
+    _, norms = loop_reference(model, _frame_loss, args, 1e6)
+    c = float(norms.median())
+    want, _ = loop_reference(model, _frame_loss, args, c)
+    assert float(want["wav2vec2.masked_spec_embed"].abs().max()) > 0
+    step = opake.compile_dp(_frame_loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=P)
+    got = step(*args)
+    assert all(c.traced.has_randomness for c in step._cache.values())  # the mask is drawn in the graph
+    _compare(got.clipped.grads, want)
+    assert torch.allclose(got.clipped.per_example_norms.double(), norms, rtol=1e-5)
+
+
+def _mask_statistics(masks: torch.Tensor, span: int) -> dict[str, torch.Tensor]:
+    """Per row, over draws ``masks (N, rows, T)``: the masked fraction at each position, and the
+    mean and variance of the number of masked positions and of masked runs (span structure)."""
+    m = masks.double()
+    runs = (m[..., 1:] > m[..., :-1]).sum(-1) + m[..., 0]
+    count = m.sum(-1)
+    return {"position": m.mean(0), "count": count.mean(0), "count_var": count.var(0), "runs": runs.double().mean(0)}
+
+
+def _differs(a: dict, b: dict, n: int) -> list[str]:
+    """Which statistics of two samplers of ``n`` draws each differ beyond 6 standard errors."""
+    bad = []
+    p = (a["position"] + b["position"]) / 2
+    se = (2 * p * (1 - p) / n).sqrt().clamp_min(1e-3)
+    if bool(((a["position"] - b["position"]).abs() > 6 * se).any()):
+        bad.append("position")
+    se_count = ((a["count_var"] + b["count_var"]) / n).sqrt().clamp_min(1e-3)
+    if bool(((a["count"] - b["count"]).abs() > 6 * se_count).any()):
+        bad.append("count")
+    if bool(((a["runs"] - b["runs"]).abs() > 6 * se_count).any()):
+        bad.append("runs")
+    return bad
+
+
+def test_spec_augment_mask_has_the_distribution_of_transformers() -> None:
+    """The in-graph sampler against transformers' own ``_compute_mask_indices`` over many draws,
+    for rows of several lengths (full, short, shorter than the span), with a minimum number of
+    spans: per-position rates, masked counts (mean and variance: the rounding draw) and runs
+    agree; wrong samplers (lengths ignored, another span length) are told apart."""
+    np = pytest.importorskip("numpy")
+    from transformers.models.wav2vec2.modeling_wav2vec2 import _compute_mask_indices
+
+    from opake_compile.patches import _span_mask
+
+    n, size, prob, span, min_spans = 2000, 30, 0.35, 4, 1
+    lengths = [30, 17, 9, 3]
+    attention = _padding_mask(len(lengths), size, lengths)
+    cpu = torch.device("cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ours = torch.stack([_span_mask(4, size, prob, span, min_spans, attention.sum(-1), cpu) for _ in range(n)])
+        blind = torch.stack([_span_mask(4, size, prob, span, min_spans, None, cpu) for _ in range(n)])
+    state = np.random.get_state()
+    try:
+        np.random.seed(0)
+        theirs = torch.stack([torch.from_numpy(_compute_mask_indices((4, size), prob, span, attention, min_spans)) for _ in range(n)])
+        other_span = torch.stack([torch.from_numpy(_compute_mask_indices((4, size), prob, span - 1, attention, min_spans)) for _ in range(n)])
+    finally:
+        np.random.set_state(state)
+    want = _mask_statistics(theirs, span)
+    assert _differs(_mask_statistics(ours, span), want, n) == []
+    assert _differs(_mask_statistics(blind, span), want, n) != []
+    assert _differs(_mask_statistics(other_span, span), want, n) != []
+    assert not bool(ours[:, 3, :3].any())  # a row shorter than the span masks none of its frames
+    assert float(want["count_var"][0]) > 0  # the rounding draw is random (a fixed count would fail "count")
+
+
+def test_spec_augment_rows_draw_independently_under_vmap() -> None:
+    """Under ``vmap(randomness="different")`` (how compile_dp runs it) one row's mask does not
+    depend on another row's length."""
+    from opake_compile.patches import _span_mask
+
+    def one(length: torch.Tensor) -> torch.Tensor:
+        return _span_mask(1, 24, 0.3, 3, 1, length[None], torch.device("cpu"))[0]
+
+    draw = torch.func.vmap(one, randomness="different")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        a = draw(torch.tensor([24, 20, 11]))
+        torch.manual_seed(1)
+        b = draw(torch.tensor([24, 6, 11]))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+    assert not bool(b[1, 6:].any()) and bool(a[1].any())
+    assert not torch.equal(a[0], a[2])  # rows draw different masks
+
+
+def test_unrecognised_spec_augment_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``_mask_hidden_states`` that is not the recognised one would freeze NumPy masks into the
+    graph: refused, naming the fix."""
+    from opake_compile import patches
+
+    monkeypatch.setattr(patches, "_KNOWN_SPEC_AUGMENT", frozenset())
+    monkeypatch.setattr(patches, "_SPEC_AUGMENT_KIND", {})
     model = _wav2vec2(mask_time_prob=0.2, mask_time_length=2).train()
     step = opake.compile_dp(_audio_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P)
     with pytest.raises(opake.exceptions.UnsupportedOperationError, match="mask_time_prob"):

@@ -14,7 +14,7 @@ The traced graph has flat tensor inputs, in this order (see :class:`InputLayout`
 
 (the batch draws, uniform on [0, 1) and drawn once per logical batch, exist only for models
 with LayerDrop in training mode; see :mod:`opake_compile.patches`, which also lists what else
-is adjusted while tracing: data-inspecting shortcuts, in-place masked writes)
+is adjusted while tracing: data-inspecting shortcuts, in-place masked writes, SpecAugment)
 
 and returns ``(per_example_losses (P,), G_1 (P, *shape_1), ..., G_k (P, *shape_k))``: one
 materialised per-example gradient per trainable parameter. The pass stage
@@ -233,7 +233,8 @@ def trace_per_example_grads(
 
     Tracing runs under :func:`opake_compile.patches.tracing_patches` (undone on return or
     error): library shortcuts that inspect data take their always-valid branch, in-place masked
-    writes become ``where``, and LayerDrop selects layers in the graph from the batch draws.
+    writes become ``where``, LayerDrop selects layers in the graph from the batch draws, and
+    SpecAugment draws its masks in the graph, per example.
 
     Args:
         model: the user's module; its current ``requires_grad`` flags define the trainable
@@ -318,7 +319,7 @@ def trace_per_example_grads(
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
     extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
     try:
-        # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop.
+        # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment.
         with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws):
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
