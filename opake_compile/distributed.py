@@ -77,6 +77,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -85,6 +86,7 @@ from torch.utils.data import Dataset, Subset
 from opake_compile import pytree as _pytree
 from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int
+from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 from opake_compile.optim import accumulate
@@ -376,9 +378,22 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str) -> ClippedPytree:
         )
     counts = torch.tensor([clipped.num_examples, clipped.num_nonfinite], dtype=torch.int64, device=device)
     counts = all_reduce(counts, "sum").tolist()
+    grads = clipped.grads
+    if name == "sum_gradients":
+        # The ranks' partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
+        grads = optree.tree_map(lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) else t, grads)
+    elif int(counts[0]) > _num.MAX_FLOAT32_SUM_ROWS and any(
+        isinstance(t, torch.Tensor) and t.dtype != torch.float64 for t in optree.tree_leaves(grads)
+    ):
+        # Every rank sees the same global count, so every rank refuses: no rank is left waiting.
+        raise ConfigurationError(
+            f"sum_gradients_ reduces in place in the gradients' dtype, and a float32 sum of {int(counts[0])} "
+            f"examples (more than {_num.MAX_FLOAT32_SUM_ROWS}) rounds on a grid coarser than the sensitivity "
+            "slack: use sum_gradients (it adds the ranks' sums in float64)."
+        )
     return dataclasses.replace(
         clipped,
-        grads=reduce(clipped.grads),
+        grads=reduce(grads),
         num_examples=int(counts[0]),
         num_nonfinite=int(counts[1]),
         num_ranks=get_world_size(),

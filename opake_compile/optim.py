@@ -18,6 +18,7 @@ handed out but never stepped on is charged at the next step that names a later d
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 from opake_compile import accounting as _acc
 from opake_compile import random as _random
 from opake_compile._validate import NotPrivateWarning, check_noise_multiplier
+from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
@@ -83,7 +85,9 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
             f"Cannot accumulate parts of {len(draws)} different Poisson draws into one step: "
             "each draw is one logical batch; take one optimizer step per draw."
         )
-    grads = {k: sum(p.grads[k] for p in parts) for k in first.grads}
+    # Several partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS): a float32 sum
+    # of many examples rounds on a grid the sensitivity slack cannot absorb.
+    grads = {k: functools.reduce(_num.add_partial, [p.grads[k] for p in parts]) for k in first.grads}
     return ClippedPytree(
         grads=grads,
         clipping_norm=first.clipping_norm,

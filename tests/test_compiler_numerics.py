@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from _models import MathTransformer
 from opake_compile import DPOptimizer, PoissonSampler, compile_dp
+from opake_compile.optim import accumulate
 from opake_compile import random as oprandom
 from opake_compile.compiler.passes import numerics
 from opake_compile.compiler.passes.rewrites import GhostClipping
@@ -118,7 +119,8 @@ def test_low_precision_model_releases_a_float32_sum(p):
     y = torch.zeros(256, dtype=torch.long)
     step = compile_dp(lambda m, x, y: F.cross_entropy(m(x).float(), y), model=mlp, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager")
     out = step(x, y).clipped
-    assert {g.dtype for g in out.grads.values()} == {torch.float32}
+    # float32 in one graph; several chunks add up in float64 (never in bfloat16)
+    assert {g.dtype for g in out.grads.values()} == {torch.float32 if p == 256 else torch.float64}
     assert removal_ratio(step, (x, y), 1.0, removals=1) <= 1.0
 
 
@@ -302,3 +304,41 @@ def test_float64_factors_at_the_ends_of_the_range(path, exps):
     torch.testing.assert_close(out.per_example_norms, true, rtol=1e-9, atol=0)
     assert out.num_nonfinite == 0
     assert removal_ratio(step, (x, v), 1e-3) <= 1.0
+
+
+def test_many_aligned_examples_in_one_large_logical_batch_move_the_sum_by_at_most_c():
+    # Before: chunk sums (and graphs of any size) were added in float32; a sum of magnitude
+    # n C rounds on a grid of ~2^-24 n C per entry, so 2^18 aligned examples in chunks of 2^14
+    # moved the released sum by 1.0055 C (found by a hostile review). Now graphs hold at most
+    # MAX_FLOAT32_SUM_ROWS rows and chunk sums add up in float64.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+    step = compile_dp(lambda m, x, y: (m(x) - y).square().mean(), model=model, clipping_norm=1.0,
+                      backend="aot_eager", physical_batch_size=2**14)
+    g = _gen(0)
+    n = 2**18
+    x = (5 * torch.randn(1, 4, generator=g)).expand(n, 4).contiguous()
+    y = torch.randn(1, 1, generator=g).expand(n, 1).contiguous()
+    assert step.plan(n)[0][1] == numerics.MAX_FLOAT32_SUM_ROWS
+    assert removal_ratio(step, (x, y), 1.0, removals=1) <= 1.0
+
+
+def test_partial_sums_add_in_float64_across_chunks_parts_and_one_graph_stays_float32():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+    step = compile_dp(lambda m, x: m(x).square().mean(), model=model, clipping_norm=1.0,
+                      backend="aot_eager", physical_batch_size=4)
+    x = torch.randn(8, 3, generator=_gen(1))
+    one = step(x[:4]).clipped
+    two = step(x).clipped
+    assert all(t.dtype == torch.float32 for t in one.grads.values())
+    assert all(t.dtype == torch.float64 for t in two.grads.values())
+    acc = accumulate([one, step(x[4:]).clipped])
+    assert all(t.dtype == torch.float64 for t in acc.grads.values())
+    for k in two.grads:
+        torch.testing.assert_close(acc.grads[k], two.grads[k])
+    # The default buckets never exceed the cap either.
+    big = compile_dp(lambda m, x: m(x).square().mean(), model=model, clipping_norm=1.0, backend="aot_eager")
+    assert max(p for _, p in big.plan(3 * numerics.MAX_FLOAT32_SUM_ROWS)) <= numerics.MAX_FLOAT32_SUM_ROWS

@@ -172,6 +172,17 @@ def _worker(rank: int, store: str, out: str) -> None:
         res["mismatched_c_raise"] = False
     except ConfigurationError:
         res["mismatched_c_raise"] = True
+    # The ranks' float32 sums add up in float64; the in-place reduction refuses a float32
+    # global sum of more examples than one float32 sum may hold (on every rank alike).
+    f32 = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=1)
+    res["sum_dtype"] = D.sum_gradients(f32).grads["w"].dtype
+    big = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=3000)
+    try:
+        D.sum_gradients_(big)
+        res["inplace_big_refused"] = False
+    except ConfigurationError:
+        res["inplace_big_refused"] = True
+    res["inplace_big_unchanged"] = torch.equal(big.grads["w"], torch.ones(2))
     t = torch.tensor([rank + 1.0, 10.0 * rank])
     res["all_reduce"] = {op: D.all_reduce(t, op) for op in ("sum", "mean", "max", "min")}
     res["all_reduce_input_unchanged"] = torch.equal(t, torch.tensor([rank + 1.0, 10.0 * rank]))
@@ -406,6 +417,12 @@ def test_sigma0_two_ranks_equal_one_process_and_ddp(runs):
     for a, b in zip(runs[0]["dp_params"], runs[1]["dp_params"]):
         assert all(torch.equal(a[k], b[k]) for k in a)  # replicas bitwise in sync
     assert single[STEPS - 1]["0.weight"].sub(mlp_case(0, dtype=torch.float64).model[0].weight).abs().max() > 1e-3
+
+
+def test_ranks_add_their_sums_in_float64(runs):
+    for res in runs:
+        assert res["sum_dtype"] == torch.float64
+        assert res["inplace_big_refused"] and res["inplace_big_unchanged"]
 
 
 def test_optimizer_refuses_a_local_sum_in_a_process_group(runs):

@@ -133,8 +133,8 @@ class _SizePlan:
 
     def set_anchor(self, n: int) -> None:
         if self.fixed is None and self.anchor is None:
-            self.anchor = n
-            self.max_rows = _default_physical_batch_size(n)
+            self.anchor = min(n, _num.MAX_FLOAT32_SUM_ROWS)
+            self.max_rows = min(_default_physical_batch_size(n), _num.MAX_FLOAT32_SUM_ROWS)
 
     def grid_point(self, m: int) -> int:
         """The smallest grid size >= ``m`` (1 <= m <= max_rows)."""
@@ -220,6 +220,10 @@ class DPStep:
                 raise InputTypeError(f"Expected batch_argnums to be non-negative ints, got {batch_argnums!r}.")
         self.batch_argnums = batch_argnums
         fixed = None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
+        if fixed is not None:
+            # One graph sums at most MAX_FLOAT32_SUM_ROWS rows (numerical contract): a larger
+            # physical batch runs as chunks of that size, their sums added in float64.
+            fixed = min(fixed, _num.MAX_FLOAT32_SUM_ROWS)
         self._plan = _SizePlan(fixed, check_positive_int(max_physical_sizes, name="max_physical_sizes"))
         self.backend = backend
         self._key = _random.random_key() if key is None else key
@@ -489,7 +493,8 @@ class DPStep:
                 losses.append(loss_c), norms.append(norm_c), kept_all.append(kept_c)
             else:
                 losses.append(loss_c[:m]), norms.append(norm_c[:m]), kept_all.append(kept_c[:m])
-            sums = list(sum_c) if sums is None else [a + b for a, b in zip(sums, sum_c)]
+            # Chunk sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
+            sums = list(sum_c) if sums is None else [_num.add_partial(a, b) for a, b in zip(sums, sum_c)]
         cat = (lambda parts: parts[0]) if len(losses) == 1 else torch.cat
         kept = cat(kept_all)
         clipped = ClippedPytree(
@@ -654,6 +659,10 @@ def compile_dp(
         physical_batch_size: rows per compiled chunk P, for exactly one graph. Default
             (``None``): buckets on a geometric grid of ratio 1.05 anchored at the first
             non-empty batch size n0, at most n0 + 3 sqrt(n0) (rounded up to 8) rows per chunk.
+            Either way a graph holds at most 4096 rows
+            (``numerics.MAX_FLOAT32_SUM_ROWS``: a float32 sum of more examples rounds on a grid
+            the sensitivity slack cannot absorb); the sums of several chunks are added in
+            float64, so ``clipped.grads`` is float64 for a batch that ran as several chunks.
         max_physical_sizes: the most bucket sizes (graphs per input signature) the default
             compiles; past it, chunks run at the nearest compiled size (more padding, no
             compile). Ignored with an explicit ``physical_batch_size``.

@@ -77,10 +77,14 @@ things are needed:
 
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
-moved it by 1.30 C). Chunks of one logical batch, :func:`~opake_compile.optim.accumulate`,
-:func:`~opake_compile.distributed.sum_gradients` and the noise of
-:class:`~opake_compile.optim.DPOptimizer` all stay in that dtype; only the final ``.grad`` is
-cast to the parameter dtype, after the noise.
+moved it by 1.30 C). The same grid argument bounds how many examples one float32 sum may hold:
+a sum of magnitude m C rounds on a grid of ~2^-24 m C, past the slack once m nears 2^13
+aligned examples (2^18 moved it by 1.0055 C). So one compiled graph sums at most
+:data:`MAX_FLOAT32_SUM_ROWS` rows (larger physical batches run as chunks of that size), and the
+chunks of one logical batch, :func:`~opake_compile.optim.accumulate` and
+:func:`~opake_compile.distributed.sum_gradients` add their partial sums in float64; the noise
+of :class:`~opake_compile.optim.DPOptimizer` is added in the sum's dtype, and only the final
+``.grad`` is cast to the parameter dtype, after the noise.
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ aten = torch.ops.aten
 __all__ = [
     "NORM_DTYPE",
     "KAPPA",
+    "MAX_FLOAT32_SUM_ROWS",
     "RHO",
+    "add_partial",
     "unit_roundoff",
     "gamma",
     "rho",
@@ -147,6 +153,22 @@ def rho(sum_dtype: torch.dtype) -> float:
 def clip_scale(sum_dtype: torch.dtype) -> float:
     """``1 / (1 + rho)``, the factor from C to the effective clipping norm ``C_eff``."""
     return 1.0 / (1.0 + rho(sum_dtype))
+
+
+#: Most rows one compiled graph sums in float32. A float32 sum of magnitude m C rounds on a grid
+#: of about 2^-24 m C per entry, which the slack rho = 2^-10 absorbs only while m stays well
+#: below 2^13 aligned examples (measured: 2^16 aligned examples in chunks of 2^14 moved the sum
+#: by 1.00005 C, 2^18 by 1.0055 C). Graphs hold at most this many rows (2^-12 C of grid, a
+#: quarter of the slack), and the sums of several graphs, physical batches or ranks are added
+#: in float64 (:func:`add_partial`), so a logical batch of any size keeps the bound.
+MAX_FLOAT32_SUM_ROWS = 4096
+
+
+def add_partial(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    """Add one partial clipped sum (a chunk, a physical batch, a rank) to a running total of
+    the same parameter, in float64 (see :data:`MAX_FLOAT32_SUM_ROWS`): the sum of several
+    partial sums is float64 whatever their dtype."""
+    return total.to(torch.float64) + part.to(torch.float64)
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
