@@ -302,3 +302,75 @@ def test_float64_factors_at_the_ends_of_the_range(path, exps):
     torch.testing.assert_close(out.per_example_norms, true, rtol=1e-9, atol=0)
     assert out.num_nonfinite == 0
     assert removal_ratio(step, (x, v), 1e-3) <= 1.0
+
+
+# ----------------------------------------------------------------------------- reduced precision
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to nearest on TF32's 10-bit mantissa, as tensor cores read it."""
+    bits = x.contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def _emulated_tf32_mm(real):  # noqa: ANN001, ANN202
+    """``torch.mm`` as cuBLAS runs it: float32 operands are read as TF32 unless
+    ``torch.get_float32_matmul_precision() == "highest"`` (``allow_tf32``)."""
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if a.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+            a, b = _round_to_tf32(a), _round_to_tf32(b)
+        return real(a, b)
+
+    return mm
+
+
+def test_bookkeeping_sum_is_exact_float32_when_tf32_is_allowed(monkeypatch):
+    # The slack rho = 2^-10 assumes the book-keeping product rounds like IEEE float32. With
+    # TF32 allowed (set_float32_matmul_precision("high"), common on GPUs) its operands are
+    # rounded to 2^-11, relative to an example's mass (up to KAPPA C): before the fix, this
+    # near-cancelling example (two positions, mass / norm at the cap) contributed 1.0013 C
+    # (emulated TF32, found by a scan of M and seeds).
+    monkeypatch.setattr(torch, "mm", _emulated_tf32_mm(torch.mm))
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        signs = torch.tensor([1.0, -1.0])
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = nn.Linear(64, 64, bias=False)
+        step = compile_dp(
+            lambda m, x, v: (signs[None, :, None] * v[:, None, :] * m(x)).sum(),
+            model=model, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager",
+            rewrites=[GhostClipping(force={"weight": "ghost"})],
+        )
+        g = _gen(1)
+        u = torch.randn(64, generator=g)
+        x = 270.0 * u / u.norm() + torch.randn(1, 2, 64, generator=g)
+        v = torch.randn(1, 64, generator=g)
+        out = step(x, v / v.norm())
+        assert float(out.clipped.grads["weight"].double().norm()) <= 1.0
+        assert torch.get_float32_matmul_precision() == "high"  # restored after the product
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def test_mixed_matmul_precision_settings_count_as_reduced_precision():
+    # Legacy and per-backend precision settings mixed: torch.get_float32_matmul_precision
+    # raises, which used to crash the rewrite pass with torch's RuntimeError. Now reduced
+    # precision is assumed (the conservative bounds) and the user's settings are kept.
+    prev = torch.get_float32_matmul_precision()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()
+        assert numerics.unit_roundoff(torch.float32, matmul=True) == 2.0**-8
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        step = compile_dp(lambda m, x: m(x).square().sum(), model=model, clipping_norm=1.0, backend="aot_eager")
+        out = step(torch.randn(4, 5, 8, generator=_gen(0)))
+        assert out.clipped.num_examples == 4 and out.coverage["1.weight"].startswith("bk:")
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(prev)
