@@ -84,6 +84,15 @@ things are needed:
    The in-graph products of ``bookkeeping="fused"`` and of grouped convolutions' sums follow
    the user's setting (not yet covered).
 
+   The book-keeping sum applies ``f_i`` to one factor before the product. Where ``f_i`` times
+   that factor falls below the sum dtype's normal range (tiny C next to large activations:
+   C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits and may round
+   up, and the product with the other factor carries that into the sum (measured: 1.33 C).
+   ``opake::bookkeeping_mm`` detects it on CPU and then forms the float32 products in
+   float64, or, for float64 sums, applies ``f_i`` to the operand with the larger entries
+   (``_kernels._exact_scaling``). Not yet covered: ``bookkeeping="fused"``, grouped sums, and
+   accelerators (the test is a host sync there).
+
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
 moved it by 1.30 C). Chunks of one logical batch, :func:`~opake_compile.optim.accumulate`,
