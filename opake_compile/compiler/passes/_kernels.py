@@ -83,7 +83,8 @@ def _scaled_underflows(scaled: torch.Tensor, f3: torch.Tensor, acc: torch.dtype)
     fi = torch.finfo(acc)
     low = fi.tiny / (fi.eps / 2)
     big = scaled.abs().amax(dim=(1, 2))
-    return bool(((big < low) & (f3.view(-1) > 0)).any())
+    # An all-zero scaled factor (zero output gradients, a layer LayerDrop skipped) is exact.
+    return bool(((big < low) & (big > 0) & (f3.view(-1) > 0)).any())
 
 
 def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
