@@ -427,3 +427,24 @@ def test_clip_factor_times_a_small_factor_stays_within_c(path, dtype, x_scale, b
         assert out.clipped.num_nonfinite == 0
         worst = max(worst, float(out.clipped.grads["weight"].double().norm()) / c)
     assert worst <= 1.0
+
+
+@pytest.mark.parametrize("dtype, x_scale, v_scale", [(torch.float32, 1e15, 1e-6), (torch.float64, 1e292, 1e-150)])
+def test_grouped_conv_sum_keeps_the_clip_factor_out_of_the_subnormal_range(dtype, x_scale, v_scale):
+    # The grouped convolution's book-keeping sum (in-graph products, one per group): before
+    # the fix one example moved the float32 sum by 1.11 C (C = 1e-29, inputs 1e15).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Conv1d(4, 4, 1, groups=2, bias=False).to(dtype)
+    c = 1e-29
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, backend="aot_eager",
+                      physical_batch_size=1, rewrites=[GhostClipping(force={"weight": "ghost"})])
+    worst = 0.0
+    for seed in range(30):
+        g = _gen(seed)
+        x = torch.randn(1, 4, 1, generator=g, dtype=dtype) * x_scale
+        v = torch.randn(1, 4, 1, generator=g, dtype=dtype) * v_scale
+        out = step(x, v)
+        assert out.clipped.num_nonfinite == 0 and out.coverage["weight"] == "ghost:conv"
+        worst = max(worst, float(out.clipped.grads["weight"].double().norm()) / c)
+    assert worst <= 1.0

@@ -90,8 +90,9 @@ things are needed:
    up, and the product with the other factor carries that into the sum (measured: 1.33 C).
    ``opake::bookkeeping_mm`` detects it on CPU and then forms the float32 products in
    float64, or, for float64 sums, applies ``f_i`` to the operand with the larger entries
-   (``_kernels._exact_scaling``). Not yet covered: ``bookkeeping="fused"``, grouped sums, and
-   accelerators (the test is a host sync there).
+   (``_kernels._exact_scaling``); grouped convolutions' in-graph sums always do the same
+   (``_factors._grouped_sum``). Not yet covered: ``bookkeeping="fused"``, and the per-layer
+   operator on accelerators (its test is a host sync there).
 
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
