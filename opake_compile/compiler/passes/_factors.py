@@ -586,15 +586,33 @@ def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple
 def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: torch.dtype) -> fx.Node:
     """``sum_i f_i G_i`` for a grouped factor (:attr:`Factor.groups`), ``(groups * R, C)``:
     per group one product over all (example, position) rows, as for an ungrouped term, with
-    the excluded examples selected away from both factors first."""
+    the excluded examples selected away from both factors first.
+
+    The clip factor never meets a factor in the subnormal range (tiny C next to large
+    activations, where ``f_i a`` would keep a few digits and could round up, measured 1.11 C):
+    float32 sums form the products in float64 (exact and normal for float32 and lower
+    operands; this path is rare, the cost model keeps most grouped convolutions
+    materialised) and round once when cast back; float64 sums apply ``f_i`` to the operand
+    with the larger entries of each example (``_kernels._exact_scaling`` has the argument)."""
     ng, r, k, c = f.groups, f.rows, f.k, f.cols
     p = shape(f.b)[0] // ng
+    wide = NORM_DTYPE
     keep4 = em(aten.view.default, kept, [p, 1, 1, 1])
-    f4 = em(aten.view.default, factor, [p, 1, 1, 1])
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
-    a = em(aten.reshape.default, _as_dtype(em, f.a, acc), [p, ng, r, k])
-    a = em(aten.mul.Tensor, em(aten.where.self, keep4, a, zero), em(aten.where.self, keep4, f4, zero))
-    b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, acc), [p, ng, k, c]), zero)
+    f4 = em(aten.view.default, _as_dtype(em, factor, wide), [p, 1, 1, 1])
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=wide)
+    f4 = em(aten.where.self, keep4, f4, zero)
+    a = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.a, wide), [p, ng, r, k]), zero)
+    b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, wide), [p, ng, k, c]), zero)
+    if acc == wide:
+        big_a = em(aten.amax.default, em(aten.abs.default, a), [1, 2, 3], True)
+        big_b = em(aten.amax.default, em(aten.abs.default, b), [1, 2, 3], True)
+        on_a = em(aten.ge.Tensor, big_a, big_b)
+        a, b = (
+            em(aten.where.self, on_a, em(aten.mul.Tensor, a, f4), a),
+            em(aten.where.self, on_a, b, em(aten.mul.Tensor, b, f4)),
+        )
+    else:
+        a = em(aten.mul.Tensor, a, f4)
     a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])
     b = em(aten.reshape.default, em(aten.permute.default, b, [1, 0, 2, 3]), [ng, p * k, c])
-    return em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c])
+    return _as_dtype(em, em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c]), acc)

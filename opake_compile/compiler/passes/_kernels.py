@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from opake_compile.compiler.passes.numerics import float32_matmul_is_ieee, ieee_float32_matmul
+
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM"]
 
 
@@ -46,19 +48,67 @@ def bookkeeping_mm(
     # would be a host sync per layer, so there the selects always run.
     if all_kept.device.type == "cpu" and bool(all_kept):
         # Few dispatches on this path: it runs once per layer per step on small models too.
-        if r <= c:
+        scale_left = r <= c
+        if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
         else:
             left = at if at.dtype == acc else at.to(acc)
             right = torch.mul(b, f3) if b.dtype == acc else b.to(acc).mul_(f3)
     else:
+        scale_left = True
         keep = kept.view(p, 1, 1)
         # The factor is selected too, so the result never depends on an excluded row's
         # factor (callers pass zero there, but 0 * NaN would not be zero).
-        left = torch.where(keep, at, 0).to(acc).mul_(torch.where(keep, f3, 0))
+        f3 = torch.where(keep, f3, 0)
+        left = torch.where(keep, at, 0).to(acc).mul_(f3)
         right = torch.where(keep, b, 0).to(acc)
-    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
+    if at.device.type == "cpu" and _scaled_underflows(left if scale_left else right, f3, acc):
+        # (A host-side test: free on CPU, a sync per layer elsewhere, where it is not made.)
+        left, right = _exact_scaling(at, b, kept, f3, acc)
+    if left.dtype == torch.float32 and not float32_matmul_is_ieee():
+        # The slack rho of the released sum assumes IEEE float32 products; TF32 operands
+        # (rounded to 2^-11 of an example's mass) let one example move it past C.
+        with ieee_float32_matmul():
+            return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
+    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c)).to(acc)
+
+
+def _scaled_underflows(scaled: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> bool:
+    """Whether some example's scaled factor ``x_i f_i`` (nonzero ``f_i``) has its largest entry
+    below ``tiny / u`` of ``acc``: its entries then lose precision in the subnormal range, and
+    the product with the other (large) factor would carry that rounding, which can go up,
+    into the sum (measured: one example moved a float32 sum by 1.33 C with C = 1e-29 and
+    inputs ~1e15, although its norm was exact). One read of the scaled factor."""
+    fi = torch.finfo(acc)
+    low = fi.tiny / (fi.eps / 2)
+    big = scaled.abs().amax(dim=(1, 2))
+    # An all-zero scaled factor (zero output gradients, a layer LayerDrop skipped) is exact.
+    return bool(((big < low) & (big > 0) & (f3.view(-1) > 0)).any())
+
+
+def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two factors with the clip factor applied where no product leaves the normal range.
+
+    Float32 sums: both factors in float64, where the products of float32 numbers are exact
+    and normal, and the matrix product is rounded once when cast back. Float64 sums: per
+    example, the factor goes to the operand with the larger entries. Error analysis: a
+    clipped example has ``C <= f ||G_i|| <= f K sqrt(R C) L_i R_i`` (``L_i >= R_i`` the largest
+    entries of its two operands), so ``f L_i >= C / (K sqrt(R C) L_i) >= 2^-100 / (K sqrt(R C)
+    2^512)``; ``L_i < 2^512`` since its squared norm is finite (else it is dropped). That is far
+    above float64's subnormal range, and smaller entries' absolute errors (2^-1075 each) are
+    negligible next to C >= 2^-100."""
+    keep = kept.view(-1, 1, 1)
+    f3 = torch.where(keep, f3, 0)
+    if acc == torch.float32:
+        wide = torch.float64
+        left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
+        return left, torch.where(keep, b, 0).to(wide)
+    a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
+    on_left = (a_acc.abs().amax(dim=(1, 2)) >= b_acc.abs().amax(dim=(1, 2))).view(-1, 1, 1)
+    left = torch.where(on_left, a_acc * f3, a_acc)
+    right = torch.where(on_left, b_acc, b_acc * f3)
+    return left, right
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost

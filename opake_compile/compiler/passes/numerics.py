@@ -75,6 +75,25 @@ things are needed:
    float32 shapes; no cheap float32 evaluation order avoids that, float64 sums do (float64
    models get u = 2^-53, and their bound is a worst case for P K up to ~10^12).
 
+   All of this assumes IEEE float32 products. With TF32 allowed
+   (``torch.set_float32_matmul_precision("high")``), cuBLAS reads float32 operands rounded to
+   2^-11, relative to an example's mass rather than its norm (measured with emulated TF32: a
+   near-cancelling example moved the sum by 1.0013 C). The norms already take that into
+   account (:func:`unit_roundoff` with ``matmul=True``); the book-keeping product
+   ``opake::bookkeeping_mm`` runs under :func:`ieee_float32_matmul` whatever the user set.
+   The in-graph products of ``bookkeeping="fused"`` and of grouped convolutions' sums follow
+   the user's setting (not yet covered).
+
+   The book-keeping sum applies ``f_i`` to one factor before the product. Where ``f_i`` times
+   that factor falls below the sum dtype's normal range (tiny C next to large activations:
+   C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits and may round
+   up, and the product with the other factor carries that into the sum (measured: 1.33 C).
+   ``opake::bookkeeping_mm`` detects it on CPU and then forms the float32 products in
+   float64, or, for float64 sums, applies ``f_i`` to the operand with the larger entries
+   (``_kernels._exact_scaling``); grouped convolutions' in-graph sums always do the same
+   (``_factors._grouped_sum``). Not yet covered: ``bookkeeping="fused"``, and the per-layer
+   operator on accelerators (its test is a host sync there).
+
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
 moved it by 1.30 C). The same grid argument bounds how many examples one float32 sum may hold:
@@ -89,7 +108,9 @@ of :class:`~opake_compile.optim.DPOptimizer` is added in the sum's dtype, and on
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
@@ -105,6 +126,8 @@ __all__ = [
     "RHO",
     "add_partial",
     "unit_roundoff",
+    "float32_matmul_is_ieee",
+    "ieee_float32_matmul",
     "gamma",
     "rho",
     "clip_scale",
@@ -125,10 +148,55 @@ KAPPA = 64.0
 FLOAT32_TINY = 2.0**-149
 
 
+def float32_matmul_is_ieee() -> bool:
+    """Whether float32 matrix products run in IEEE float32 (``"highest"`` precision). False
+    when TF32 or bfloat16 passes may be used, and when torch cannot say (its legacy and
+    per-backend precision settings were mixed, which makes
+    ``torch.get_float32_matmul_precision`` raise): then reduced precision is assumed."""
+    try:
+        return torch.get_float32_matmul_precision() == "highest"
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def ieee_float32_matmul() -> Iterator[None]:
+    """Within the block, float32 matrix products run in IEEE float32 whatever the user set
+    (``torch.set_float32_matmul_precision("high")`` or ``allow_tf32`` would let cuBLAS read
+    operands as TF32, u = 2^-11, and oneDNN use bfloat16 passes). The released sum's slack
+    :func:`rho` (2^-10 for float32) assumes IEEE products: with TF32 operands an example whose
+    positions nearly cancel (mass up to ``KAPPA C``) moved the sum by 1.0013 C. The setting is
+    process-global (as torch's is) and restored on exit, through the same API it was read
+    with."""
+    try:
+        prev = torch.get_float32_matmul_precision()
+    except RuntimeError:  # legacy and per-backend settings mixed: use the per-backend ones
+        prev = None
+    if prev == "highest":
+        yield
+        return
+    backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul]
+    saved = [b.fp32_precision for b in backends]
+    if prev is not None:
+        torch.set_float32_matmul_precision("highest")
+    else:
+        for b in backends:
+            b.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        if prev is not None:
+            torch.set_float32_matmul_precision(prev)
+        for b, v in zip(backends, saved):  # a per-backend value the global one did not give
+            if b.fp32_precision != v:
+                b.fp32_precision = v
+
+
 def unit_roundoff(dtype: torch.dtype, *, matmul: bool = False) -> float:
     """u of ``dtype``; for float32 matrix products, that of the reduced precision torch may
-    use (TF32 or bfloat16 passes) unless ``torch.get_float32_matmul_precision() == "highest"``."""
-    if matmul and dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+    use (TF32 or bfloat16 passes) unless float32 products are IEEE
+    (:func:`float32_matmul_is_ieee`)."""
+    if matmul and dtype == torch.float32 and not float32_matmul_is_ieee():
         return 2.0**-8
     return torch.finfo(dtype).eps / 2
 
