@@ -512,8 +512,9 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
             # offset by i R (rows of a padding id zeroed first, as in the sum). Each entry is
             # a float sum of at most K products a b with |a| = 1, so the bound below holds.
             b_acc = _b_of(em, f, prod)
-            offsets = em(aten.arange.start_step, 0, p * f.rows, f.rows, dtype=val(f.a).dtype, device=val(f.a).device)
-            ids = em(aten.add.Tensor, f.a, em(aten.view.default, offsets, [p, 1]))
+            # int64: P R can exceed int32 ids' range.
+            offsets = em(aten.arange.start_step, 0, p * f.rows, f.rows, dtype=torch.int64, device=val(f.a).device)
+            ids = em(aten.add.Tensor, _as_dtype(em, f.a, torch.int64), em(aten.view.default, offsets, [p, 1]))
             flat = em(aten.embedding_dense_backward.default, em(aten.reshape.default, b_acc, [p * f.k, f.cols]),
                       em(aten.reshape.default, ids, [p * f.k]), p * f.rows, -1, False)
             term = em(aten.view.default, flat, [p, f.rows, f.cols])
