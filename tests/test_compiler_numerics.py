@@ -314,12 +314,15 @@ def test_force_picks_each_path_and_rejects_impossible_ones():
             torch.testing.assert_close(g, paths["materialized"][1].grads[k], rtol=1e-4, atol=1e-6)
     with pytest.raises(ConfigurationError, match="Unknown path"):
         GhostClipping(force={"weight": "fast"})
-    # Conv has no mixed form (its traced per-example gradient is kept instead).
-    conv = nn.Conv1d(2, 2, 3)
-    step = compile_dp(lambda m, x: m(x).sum(), model=conv, clipping_norm=1.0, physical_batch_size=2, backend=None,
-                      rewrites=[GhostClipping(force={"weight": "mixed"})])
-    with pytest.raises(ConfigurationError, match="conv"):
-        step(torch.randn(2, 2, 8))
+    # An embedding forced onto the mixed path: its norm from one scatter-add, same result.
+    emb, ids = nn.Embedding(5, 4), torch.randint(0, 5, (2, 3), generator=_gen(10))
+    got = {}
+    for path in ("mixed", "materialized"):
+        step = compile_dp(lambda m, ids: m(ids).square().sum(), model=emb, clipping_norm=0.1, physical_batch_size=2,
+                          backend=None, rewrites=[GhostClipping(force={"weight": path})])
+        got[path] = step(ids).clipped.grads["weight"]
+        assert step.coverage["weight"] == ("bk:embedding (norm materialized)" if path == "mixed" else "materialized (forced)")
+    torch.testing.assert_close(got["mixed"], got["materialized"], rtol=1e-5, atol=1e-7)
     step = compile_dp(loss, model=lin, clipping_norm=1.0, physical_batch_size=4, backend=None,
                       rewrites=[GhostClipping(force={"no.such": "ghost"})])
     with pytest.raises(ConfigurationError, match="no.such"):

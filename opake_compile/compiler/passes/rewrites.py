@@ -454,7 +454,7 @@ def _rewrite_parameter(
         return None, why, None
     factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
-    if wanted == "mixed" and any(f.rule not in _MIXED_RULES for f in factors):
+    if wanted == "mixed" and any(f.onehot and f.rule not in _MIXED_RULES for f in factors):
         raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: a {rules} term has no materialised norm form.")
     plans = []
     for block in found.blocks:
