@@ -252,6 +252,48 @@ def test_mixed_path_norms_stay_exact_over_long_sequences():
     assert step.coverage == {"weight": "bk:linear (norm materialized)"}
 
 
+class _TiedLM(nn.Module):
+    """Token embedding, LayerNorm and an LM head sharing the embedding matrix."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.tok, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.tok(ids)), self.tok.weight)
+
+
+def test_tied_lm_head_over_a_long_sequence_forms_its_norm_per_example():
+    # T (R + C) > R C: the Gram form of the tied table (float64 K x K Grams over the vocabulary,
+    # 12 % of GPT-2 width's DP step at T = 512) costs more than one scatter-add and one
+    # product per example. The norm stays within the contract's tolerance of the oracle.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(16)
+        lm = _TiedLM(64, 32)
+    ids = torch.randint(0, 64, (2, 128), generator=_gen(16))
+
+    def loss(m, ids):
+        logits = m(ids)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
+
+    step, _ = _assert_norms_exact(lm, loss, (ids,), 2, tol=1e-3)
+    assert step.coverage["tok.weight"] == "bk:embedding+linear (norm materialized)"
+
+
+def test_embedding_mixed_path_near_cancellation():
+    # One id at every position, rows of alternating sign and size M: the scatter-add cancels
+    # in float32, and its bound (gamma_K S) keeps every example at or below C.
+    g = _gen(17)
+    emb = nn.Embedding(4, 8)
+    u = torch.randn(8, generator=g)
+    ids = torch.zeros(6, _T, dtype=torch.long)
+    v = 1e6 * u / u.norm() + torch.randn(6, 8, generator=g)
+    step = compile_dp(lambda m, ids, v: (_SIGNS[None, :, None] * v[:, None, :] * m(ids)).sum(), model=emb,
+                      clipping_norm=1.0, physical_batch_size=6, backend="aot_eager")
+    assert removal_ratio(step, (ids, v), 1.0) <= 1.0
+    assert step.coverage == {"weight": "bk:embedding (norm materialized)"}
+
+
 # ----------------------------------------------------------------------------- forcing paths
 def test_force_picks_each_path_and_rejects_impossible_ones():
     lin = nn.Linear(8, 8)
@@ -274,11 +316,15 @@ def test_force_picks_each_path_and_rejects_impossible_ones():
             torch.testing.assert_close(g, paths["materialized"][1].grads[k], rtol=1e-4, atol=1e-6)
     with pytest.raises(ConfigurationError, match="Unknown path"):
         GhostClipping(force={"weight": "fast"})
-    emb = nn.Embedding(5, 4)
-    step = compile_dp(lambda m, ids: m(ids).sum(), model=emb, clipping_norm=1.0, physical_batch_size=2, backend=None,
-                      rewrites=[GhostClipping(force={"weight": "mixed"})])
-    with pytest.raises(ConfigurationError, match="embedding"):
-        step(torch.randint(0, 5, (2, 3)))
+    # An embedding forced onto the mixed path: its norm from one scatter-add, same result.
+    emb, ids = nn.Embedding(5, 4), torch.randint(0, 5, (2, 3), generator=_gen(10))
+    got = {}
+    for path in ("mixed", "materialized"):
+        step = compile_dp(lambda m, ids: m(ids).square().sum(), model=emb, clipping_norm=0.1, physical_batch_size=2,
+                          backend=None, rewrites=[GhostClipping(force={"weight": path})])
+        got[path] = step(ids).clipped.grads["weight"]
+        assert step.coverage["weight"] == ("bk:embedding (norm materialized)" if path == "mixed" else "materialized (forced)")
+    torch.testing.assert_close(got["mixed"], got["materialized"], rtol=1e-5, atol=1e-7)
     step = compile_dp(loss, model=lin, clipping_norm=1.0, physical_batch_size=4, backend=None,
                       rewrites=[GhostClipping(force={"no.such": "ghost"})])
     with pytest.raises(ConfigurationError, match="no.such"):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from _models import MathTransformer, loop_reference
 from opake_compile import compile_dp
+from opake_compile.compiler.passes.rewrites import GhostClipping
 
 F64 = torch.float64
 
@@ -27,6 +28,8 @@ LINEAR = "ghost:linear"
 LINEAR_BK = "bk:linear (norm materialized)"
 EMB = "ghost:embedding"
 TIED = "ghost:embedding+linear"
+EMB_BK = "bk:embedding (norm materialized)"  # small tables: one scatter-add beats the Gram form
+TIED_BK = "bk:embedding+linear (norm materialized)"
 CONV = "ghost:conv"
 CONV_BK = "materialized (cheaper than ghost)"  # conv takes no mixed path: see _MIXED_RULES
 DIRECT = "direct (per-example vector)"
@@ -54,9 +57,9 @@ def _rtol(dtype: torch.dtype) -> float:
     return 1e-10 if dtype == F64 else 1e-4
 
 
-def _steps(model, loss_fn, *, c: float, p: int = 4, backend=None):
+def _steps(model, loss_fn, *, c: float, p: int = 4, backend=None, force=None):
     kw = dict(model=model, clipping_norm=c, physical_batch_size=p)
-    ghost = compile_dp(loss_fn, backend=backend, **kw)
+    ghost = compile_dp(loss_fn, backend=backend, rewrites=[GhostClipping(force=force)] if force else None, **kw)
     plain = compile_dp(loss_fn, backend=None, rewrites=[], **kw)
     return ghost, plain
 
@@ -84,9 +87,10 @@ def _assert_same(got, want, dtype: torch.dtype = F64, *, allow_zero: tuple[str, 
     assert g.num_examples == w.num_examples and g.num_nonfinite == w.num_nonfinite
 
 
-def _compare(model, loss_fn, args, *, c: float, p: int = 4, dtype=F64, expected: dict[str, str], allow_zero=()):
-    """Rewritten vs unrewritten on ``args``; checks that clipping is active and the coverage."""
-    ghost, plain = _steps(model, loss_fn, c=c, p=p)
+def _compare(model, loss_fn, args, *, c: float, p: int = 4, dtype=F64, expected: dict[str, str], allow_zero=(), force=None):
+    """Rewritten vs unrewritten on ``args``; checks that clipping is active and the coverage.
+    ``force``: parameter -> path for :class:`GhostClipping` (default: the cost model's)."""
+    ghost, plain = _steps(model, loss_fn, c=c, p=p, force=force)
     got, want = ghost(*args), plain(*args)
     norms = want.clipped.per_example_norms
     assert bool((norms[torch.isfinite(norms)] > c).any()), "no example is clipped: choose a smaller C"
@@ -252,11 +256,16 @@ class TwoPaddedTables(nn.Module):
         return self.e1(a) + self.e2(b)
 
 
-def test_summed_padded_embeddings_do_not_share_a_gram_matrix():
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+def test_summed_padded_embeddings_do_not_share_a_gram_matrix(path):
+    # Mixed (the cost model's choice for these small tables): each table's padding rows are
+    # zeroed in its own scatter-add.
     model = _build(TwoPaddedTables)
     a = torch.tensor([[0, 0, 1], [2, 0, 3], [4, 4, 0], [1, 2, 3]])
     b = torch.tensor([[1, 1, 2], [0, 0, 3], [4, 1, 0], [0, 2, 2]])
-    got, _ = _compare(model, _sq_sum, (a, b), c=0.5, expected={"e1.weight": EMB, "e2.weight": EMB})
+    label = EMB if path == "ghost" else EMB_BK
+    force = {"e1.weight": "ghost", "e2.weight": "ghost"} if path == "ghost" else None
+    got, _ = _compare(model, _sq_sum, (a, b), c=0.5, expected={"e1.weight": label, "e2.weight": label}, force=force)
     # The guarantee itself: one example alone contributes at most C.
     one = compile_dp(_sq_sum, model=model, clipping_norm=0.5, physical_batch_size=1, backend=None)(a[:1], b[:1])
     total = torch.cat([g.flatten() for g in one.clipped.grads.values()]).norm()
@@ -292,11 +301,11 @@ def test_embedding_batched_ids_with_repeats():
     _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB} | HEAD)
 
 
-@pytest.mark.parametrize("ids_shape", [(5,), (5, 2, 3)], ids=["one-id", "2d-ids"])
-def test_embedding_other_id_shapes(ids_shape):
+@pytest.mark.parametrize(("ids_shape", "label"), [((5,), EMB), ((5, 2, 3), EMB_BK)], ids=["one-id", "2d-ids"])
+def test_embedding_other_id_shapes(ids_shape, label):
     model = _build(lambda: nn.Embedding(7, 3))
     ids = torch.randint(0, 7, ids_shape, generator=_gen(3))
-    _compare(model, _tanh_sum, (ids,), c=0.3, expected={"weight": EMB})
+    _compare(model, _tanh_sum, (ids,), c=0.3, expected={"weight": label})
 
 
 def test_embedding_padding_idx_rows_get_zero_gradient():
@@ -306,11 +315,14 @@ def test_embedding_padding_idx_rows_get_zero_gradient():
     assert float(got.clipped.grads["tok.weight"][0].abs().max()) == 0.0
 
 
-def test_position_embedding_shared_ids_takes_the_embedding_rule():
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+def test_position_embedding_shared_ids_takes_the_embedding_rule(path):
     # Ids shared by every example: the one-hot factor with the ids broadcast (materialised
-    # before), equal to the materialised path.
+    # before), equal to the materialised path, in Gram form and in scatter-add form.
     model = _build(lambda: TokenModel(seq=4))
-    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": EMB, "pos.weight": EMB} | HEAD)
+    force = {"tok.weight": path, "pos.weight": path}
+    label = EMB if path == "ghost" else EMB_BK
+    _compare(model, _sq_sum, (IDS,), c=0.5, expected={"tok.weight": label, "pos.weight": label} | HEAD, force=force)
 
 
 @pytest.mark.parametrize("padding_idx", [None, 3])
@@ -354,11 +366,14 @@ def _lm_loss(m, ids):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+@pytest.mark.parametrize("path", [None, "ghost"], ids=["auto", "ghost"])
 @pytest.mark.parametrize("form", ["functional", "module"])
-def test_tied_embedding_and_lm_head(form):
+def test_tied_embedding_and_lm_head(form, path):
+    # The cost model forms this small tied table per example for its norm (one scatter-add
+    # and one product); forced, the Gram form gives the same result.
     model = _build(lambda: TiedLM(form=form))
-    expected = {"tok.weight": TIED, "norm.weight": DIRECT, "norm.bias": DIRECT}
-    _compare(model, _lm_loss, (IDS,), c=0.2, expected=expected)
+    expected = {"tok.weight": TIED if path else TIED_BK, "norm.weight": DIRECT, "norm.bias": DIRECT}
+    _compare(model, _lm_loss, (IDS,), c=0.2, expected=expected, force={"tok.weight": path} if path else None)
 
 
 # ----------------------------------------------------------------------------- conv rule
@@ -582,7 +597,8 @@ def _gpt2_expected() -> dict[str, str]:
         "mlp.c_fc.weight": LINEAR, "mlp.c_fc.bias": DIRECT,
         "mlp.c_proj.weight": LINEAR, "mlp.c_proj.bias": DIRECT,
     }
-    out = {"transformer.wte.weight": TIED, "transformer.wpe.weight": EMB}
+    # wpe: 16 positions x 32, read at 8: one scatter-add per example is cheaper than its Gram form.
+    out = {"transformer.wte.weight": TIED, "transformer.wpe.weight": EMB_BK}
     out |= {f"transformer.h.0.{k}": v for k, v in block.items()}
     out |= {"transformer.ln_f.weight": DIRECT, "transformer.ln_f.bias": DIRECT}
     return out
@@ -647,7 +663,7 @@ def test_inductor_rewritten_transformer_matches_unrewritten():
                        rewrites=[GhostClipping(force={"qkv.weight": "ghost"})])
     got, want = ghost(ids), plain(ids)
     assert ghost.num_backend_compiles == 1
-    assert got.coverage["tok.weight"] == TIED and got.coverage["pos.weight"] == EMB
+    assert got.coverage["tok.weight"] == TIED and got.coverage["pos.weight"] in (EMB, EMB_BK)
     assert {got.coverage[k] for k in ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")} <= {LINEAR, LINEAR_BK}
     assert got.coverage["qkv.weight"] == LINEAR
     assert bool((want.clipped.per_example_norms > 0.1).any())

@@ -55,6 +55,7 @@ __all__ = [
     "Factor",
     "ghost_cost",
     "materialized_cost",
+    "materialized_fits",
     "emit_sq_norm",
     "fast_gram_ok",
     "FAST_GRAM_OVERCLIP",
@@ -106,9 +107,23 @@ class Factor:
 
 def materialized_cost(factors: list[Factor], p: int) -> int:
     """Flops-like cost of forming and reducing the per-example gradients (P x R x C each;
-    ``groups`` blocks of R x C for a grouped convolution)."""
+    ``groups`` blocks of R x C for a grouped convolution): ``R C K`` per dense term (a
+    product), ``K C`` per one-hot term (a scatter-add of its K rows of B), ``2 R C`` to reduce."""
     r, c = factors[0].rows, factors[0].cols
-    return p * factors[0].groups * r * c * (sum(f.k for f in factors) + 2)
+    dense_k = sum(f.k for f in factors if not f.onehot)
+    onehot_k = sum(f.k for f in factors if f.onehot)
+    return p * factors[0].groups * (r * c * (dense_k + 2) + onehot_k * c)
+
+
+def materialized_fits(factors: list[Factor], p: int) -> bool:
+    """Whether the per-example gradients ``P x R x C``, formed for the norm only (the mixed
+    path), stay within twice the largest factor the graph holds anyway (``P x R x K`` or
+    ``P x K x C``): a bound on the transient memory of forming them for one-hot terms, whose
+    B alone can be far smaller than ``R x C`` (a 50257-row vocabulary read at 64 positions)."""
+    held = max(
+        [math.prod(shape(f.b)) for f in factors] + [math.prod(shape(f.a)) for f in factors if not f.onehot]
+    )
+    return p * factors[0].rows * factors[0].cols <= 2 * held
 
 
 #: Relative cost of a float64 matrix product to a float32 one (the Gram matrices are float64,
@@ -468,8 +483,9 @@ def mixed_product_dtype(factors: list[Factor], acc: torch.dtype) -> torch.dtype:
 
 def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dtype) -> tuple[fx.Node, fx.Node]:
     """Per-example squared norm by forming ``G_i = sum_j A^j_i B^j_i`` in the sum dtype
-    ``acc`` (dense factors only): cheaper than the Gram form when K (R + C) > R C, e.g. long
-    sequences. Only the norm materialises; the sum stays book-keeping.
+    ``acc``: cheaper than the Gram form when K (R + C) > R C, e.g. long sequences (one bmm per
+    dense term), and for one-hot terms (embeddings, a tied LM head) whenever K^2 > R (one
+    scatter-add of B). Only the norm materialises; the sum stays book-keeping.
 
     Error analysis (:mod:`.numerics`, point 1): the product is a different evaluation from
     the book-keeping sum, so its norm alone can be below the norm of what the sum adds.
@@ -491,16 +507,36 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     g = None
     s = None
     for f in factors:
-        a_acc, b_acc = _as_dtype(em, f.a, prod), _as_dtype(em, f.b, prod)
-        term = em(aten.bmm.default, a_acc, b_acc)
-        g = term if g is None else em(aten.add.Tensor, g, term)
-        # Per-position norms, bounded above: ||a_k|| over R, ||b_k|| over C.
-        if acc == NORM_DTYPE:
-            na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, f.a, nd)), [1])
-            nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
+        if f.onehot:
+            # G_i += sum_k e_{ids_k} b_k^T: one scatter-add over all examples, example i's ids
+            # offset by i R (rows of a padding id zeroed first, as in the sum). Each entry is
+            # a float sum of at most K products a b with |a| = 1, so the bound below holds.
+            b_acc = _b_of(em, f, prod)
+            # int64: P R can exceed int32 ids' range.
+            offsets = em(aten.arange.start_step, 0, p * f.rows, f.rows, dtype=torch.int64, device=val(f.a).device)
+            ids = em(aten.add.Tensor, _as_dtype(em, f.a, torch.int64), em(aten.view.default, offsets, [p, 1]))
+            flat = em(aten.embedding_dense_backward.default, em(aten.reshape.default, b_acc, [p * f.k, f.cols]),
+                      em(aten.reshape.default, ids, [p * f.k]), p * f.rows, -1, False)
+            term = em(aten.view.default, flat, [p, f.rows, f.cols])
         else:
-            na, nb = emit_sum_sq_bound(em, f.a, [1], f.rows), emit_sum_sq_bound(em, f.b, [2], f.cols)
-        part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
+            a_acc, b_acc = _as_dtype(em, f.a, prod), _as_dtype(em, f.b, prod)
+            term = em(aten.bmm.default, a_acc, b_acc)
+        g = term if g is None else em(aten.add.Tensor, g, term)
+        # Per-position norms, bounded above: ||a_k|| over R (1 for a one-hot column), ||b_k|| over C.
+        if acc == NORM_DTYPE:
+            nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
+            if f.onehot:
+                part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
+            else:
+                na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, f.a, nd)), [1])
+                part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
+        else:
+            nb = emit_sum_sq_bound(em, f.b, [2], f.cols)
+            if f.onehot:
+                part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
+            else:
+                na = emit_sum_sq_bound(em, f.a, [1], f.rows)
+                part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
     norm = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, g, [p, -1])))
     r, c = factors[0].rows, factors[0].cols

@@ -42,6 +42,7 @@ from opake_compile.compiler.passes._factors import (
     emit_sq_norm_materialized,
     ghost_cost,
     materialized_cost,
+    materialized_fits,
     merge_groups,
     merge_parts,
     mixed_product_dtype,
@@ -85,7 +86,10 @@ WHOLE_RULES: dict[str, WholeRule] = {
 #: Families whose per-example gradient is formed faster from the factors (one bmm) than in the
 #: traced graph, so that the mixed strategy (materialised norm, book-keeping sum) pays off.
 #: Measured on CPU: linear yes; conv no (im2col + bmm lost to the grouped convolution backward).
-_MIXED_RULES = frozenset({"linear"})
+#: Embeddings: the per-example gradient is one scatter-add of B (``K x C``), so forming it
+#: for the norm costs ``R C`` per example against the Gram form's ``K^2 (1 + C)`` (or
+#: ``K^2 (R + C)`` in float64 for a tied LM head, which dominated GPT-2 width at T = 512).
+_MIXED_RULES = frozenset({"linear", "embedding", "embedding_bag"})
 
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.clone.default, aten.alias.default)
 
@@ -450,8 +454,8 @@ def _rewrite_parameter(
         return None, why, None
     factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
-    if wanted == "mixed" and any(f.onehot for f in factors):
-        raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: an embedding term has no materialised norm form.")
+    if wanted == "mixed" and any(f.onehot and f.rule not in _MIXED_RULES for f in factors):
+        raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: a {rules} term has no materialised norm form.")
     plans = []
     for block in found.blocks:
         plan = _plan(block, p, wanted, sum_acc)
@@ -517,7 +521,7 @@ def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype) -> t
     # A float64 mixed product (long sequences, mixed_product_dtype) costs about what a float64
     # Gram form does.
     mixed_factor = GRAM_COST_FACTOR if (mixable and mixed_product_dtype(factors, sum_acc) != sum_acc) else 1
-    if wanted == "auto" and dense and ghost > direct * mixed_factor:
+    if wanted == "auto" and (dense or (mixable and materialized_fits(factors, p))) and ghost > direct * mixed_factor:
         if not mixable:
             # The traced form (e.g. oneDNN's grouped convolution backward) forms the
             # per-example gradient at least as fast as an explicit product would.
