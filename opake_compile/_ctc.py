@@ -22,9 +22,11 @@ __all__ = ["ctc_loss"]
 _LOG_ZERO = -1e30
 
 
-def _lse3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    m = torch.maximum(torch.maximum(a, b), c)
-    return m + ((a - m).exp() + (b - m).exp() + (c - m).exp()).log()
+def _shift(alpha: torch.Tensor, k: int) -> torch.Tensor:
+    """``alpha`` moved ``k`` states right along the last axis, log(0) entering (one op)."""
+    if alpha.shape[-1] <= k:
+        return torch.full_like(alpha, _LOG_ZERO)
+    return torch.nn.functional.pad(alpha, (k, -k), value=_LOG_ZERO)
 
 
 def ctc_loss(
@@ -97,7 +99,7 @@ def ctc_loss(
     length = ext.shape[1]
     pos = torch.arange(length, device=device)
     # Skipping the blank between two labels is allowed unless they are equal.
-    prev2 = torch.cat([ext.new_full((batch, 2), -1), ext[:, :-2]], dim=1)
+    prev2 = torch.cat([ext.new_full((batch, 2), -1), ext], dim=1)[:, :length]
     skip = (pos[None, :] % 2 == 1) & (ext != prev2) & (pos[None, :] >= 2)
     log_zero = torch.tensor(_LOG_ZERO, dtype=log_probs.dtype, device=device)
 
@@ -106,13 +108,23 @@ def ctc_loss(
     alpha = torch.where(start, emit[0], log_zero)
     # No frame at all: only the empty target is produced, with probability 1.
     alpha = torch.where(in_len[:, None] > 0, alpha, torch.where(pos[None, :] == 0, 0.0, log_zero).to(alpha.dtype))
-    pad1 = log_zero.expand(batch, 1)
-    pad2 = log_zero.expand(batch, 2)
+    skip_penalty = torch.where(skip, 0.0, _LOG_ZERO).to(alpha.dtype)  # a skip that is not allowed adds log(0)
+    active = in_len[None, :, None] > torch.arange(n_frames, device=device)[:, None, None]  # (T, N, 1)
+    # Unreachable states stay at or below log(0) (log(0) plus emissions, at most log 3 per step
+    # above it): no clamp is needed for the impossible-alignment test below.
     for t in range(1, n_frames):
-        from_prev = torch.cat([pad1, alpha[:, :-1]], dim=1)
-        from_skip = torch.where(skip, torch.cat([pad2, alpha[:, :-2]], dim=1), log_zero)
-        step = (_lse3(alpha, from_prev, from_skip) + emit[t]).clamp_min(_LOG_ZERO)
-        alpha = torch.where(in_len[:, None] > t, step, alpha)
+        moves = torch.stack(
+            [
+                alpha,
+                _shift(alpha, 1),
+                _shift(alpha, 2) + skip_penalty,
+            ]
+        )
+        # log-sum-exp over the three moves; the shift by the maximum carries no gradient
+        # (its derivative cancels exactly), so it is detached.
+        top = moves.amax(0).detach()
+        step = top + (moves - top).exp().sum(0).log() + emit[t]
+        alpha = torch.where(active[t], step, alpha)
     last = alpha.gather(1, (2 * tgt_len)[:, None])[:, 0]
     before = alpha.gather(1, (2 * tgt_len - 1).clamp_min(0)[:, None])[:, 0]
     before = torch.where(tgt_len > 0, before, log_zero)
