@@ -2,7 +2,7 @@
 
 The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
 sometimes looks at tensor values in Python, or draws random numbers on the host, which a
-static per-example graph cannot do. Four patterns are handled while
+static per-example graph cannot do. Five patterns are handled while
 :func:`~opake_compile.compile_dp` traces, and only then (every change is undone when tracing
 returns or raises):
 
@@ -50,6 +50,26 @@ returns or raises):
    depend on that example's length only; transformers shares one rounding draw across the
    batch, which changes no example's mask distribution. Code that is not the recognised one
    (another transformers version) is refused by name when it would draw.
+
+5. **CTC** (Graves et al. 2006, "Connectionist Temporal Classification"). PyTorch's
+   ``ctc_loss`` kernel cannot be traced (its output shape depends on the target lengths'
+   values) and has no ``vmap`` rule. While tracing, ``torch.nn.functional.ctc_loss`` and
+   ``torch.ctc_loss`` are routed (a ``TorchFunctionMode``) to :func:`opake_compile._ctc.ctc_loss`:
+   the forward recursion in log space over the blank-interleaved targets, with the kernel's
+   values (``blank``, ``reduction``, ``zero_infinity``; padded or concatenated targets) and
+   autograd's gradients, lengths kept as tensors. It is unrolled over the ``T`` frames (``T``
+   is static): about 40 graph nodes per frame with its gradient (about 2,000 at ``T = 50`` and
+   7,700 at ``T = 200``), so long utterances make large graphs. transformers' ``ForCTCLoss``
+   (``model.loss_function`` of the ``*ForCTC`` heads) flattens the labels with a
+   data-dependent ``masked_select``; the recognised code is replaced in ``LOSS_MAPPING`` by one
+   that moves each row's kept labels to its front with a stable sort (the same targets, at a
+   static shape). The heads' ``forward`` checks ``labels.max() >= config.vocab_size`` in
+   Python; on the traced model's recognised ``*ForCTC`` instances (Wav2Vec2, HuBERT, WavLM,
+   Data2VecAudio, SEW, SEW-D, UniSpeech, UniSpeechSat, Wav2Vec2-Conformer) ``forward`` runs the
+   model without labels when they are batched and builds the loss from the logits exactly as
+   transformers does. That check is then not made by the head: a label outside the vocabulary
+   fails in the loss's gather when the step runs (an index error); validating
+   labels in the data pipeline reports it earlier.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
