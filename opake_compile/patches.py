@@ -67,9 +67,10 @@ returns or raises):
    Python; on the traced model's recognised ``*ForCTC`` instances (Wav2Vec2, HuBERT, WavLM,
    Data2VecAudio, SEW, SEW-D, UniSpeech, UniSpeechSat, Wav2Vec2-Conformer) ``forward`` runs the
    model without labels when they are batched and builds the loss from the logits exactly as
-   transformers does. That check is then not made by the head: a label outside the vocabulary
-   fails in the loss's gather when the step runs (an index error); validating
-   labels in the data pipeline reports it earlier.
+   transformers does. Under an eager ``vmap`` (``opake.verify``'s reference) the labels' values
+   are real and transformers' check runs on the whole batch; in the traced graph they are not,
+   and a label outside the vocabulary fails in the loss's gather when the step runs (an index
+   error); validating labels in the data pipeline reports it earlier.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -90,6 +91,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from opake_compile.exceptions import UnsupportedOperationError
@@ -109,6 +111,14 @@ def _is_vmapped(t: Any) -> bool:
             return False
         t = ft.get_unwrapped(t)
     return False
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under every functorch wrapper (``vmap`` and ``grad`` levels) of ``t``."""
+    ft = torch._C._functorch
+    while ft.is_functorch_wrapped_tensor(t) or ft.is_batchedtensor(t):
+        t = ft.get_unwrapped(t)
+    return t
 
 
 def _cannot_skip_when_batched(original: Callable[..., bool]) -> Callable[..., bool]:
@@ -704,6 +714,10 @@ def _ctc_head_forward(mod: nn.Module) -> Callable[..., Any]:
     def ctc_forward(input_values: Any = None, attention_mask: Any = None, labels: Any = None, **kwargs: Any) -> Any:
         if labels is None or not _is_vmapped(labels):
             return forward(input_values, attention_mask=attention_mask, labels=labels, **kwargs)
+        whole = _unwrapped(labels)
+        if not is_fake(whole) and bool(whole.max() >= mod.config.vocab_size):
+            # Real values under an eager ``vmap`` (``opake.verify``): transformers' check, on the batch.
+            raise ValueError(f"Label values must be <= vocab_size: {mod.config.vocab_size}")
         out = forward(input_values, attention_mask=attention_mask, **kwargs)
         logits = out.logits if not isinstance(out, tuple) else out[0]
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_values, dtype=torch.long)

@@ -201,6 +201,15 @@ def test_wav2vec2_ctc_with_labels_matches_microbatch_oracle() -> None:
     with pytest.raises(Exception, match="index"):
         step(args[0], args[1], bad)
     assert step.num_traces == 1
+    # Under an eager vmap with the same adjustments (opake.verify's reference) the values are
+    # real: transformers' own check runs, on the whole batch.
+    from opake_compile.patches import tracing_patches
+
+    def per_example(x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return _labels_loss(model, x[None], mask[None], labels[None])
+
+    with tracing_patches(model), pytest.raises(ValueError, match="vocab_size"):
+        torch.func.vmap(per_example)(args[0], args[1], bad)
 
 
 @pytest.mark.parametrize("family", ["hubert"])  # Wav2Vec2's default config: the model zoo's entry
