@@ -212,7 +212,7 @@ def test_wav2vec2_ctc_with_labels_matches_microbatch_oracle() -> None:
         torch.func.vmap(per_example)(args[0], args[1], bad)
 
 
-@pytest.mark.parametrize("family", ["hubert"])  # Wav2Vec2's default config: the model zoo's entry
+@pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
 def test_default_config_ctc_model_trains_with_its_labels(family: str) -> None:
     """The default config (LayerDrop, SpecAugment, dropout on) in training mode: the step runs
     with labels, gives finite clipped gradients that reach the head and ``masked_spec_embed``,
