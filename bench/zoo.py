@@ -162,18 +162,29 @@ def _wav2vec2(size: str):
         intermediate_size=64 if tiny else 1024, conv_dim=(16, 16) if tiny else (128, 128, 128),
         conv_kernel=(10, 3) if tiny else (10, 3, 3), conv_stride=(5, 2) if tiny else (5, 2, 2),
         num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, feat_extract_norm="layer",
-        do_stable_layer_norm=True, num_labels=4,  # default LayerDrop (0.1) and SpecAugment (mask_time_prob 0.05)
+        do_stable_layer_norm=True, vocab_size=12,
+        # Defaults otherwise: LayerDrop 0.1, SpecAugment (mask_time_prob 0.05), blank = pad_token_id = 0,
+        # ctc_loss_reduction "sum", ctc_zero_infinity False.
     )
-    model = transformers.Wav2Vec2ForSequenceClassification(cfg)
-    t = 400 if tiny else 16000
+    model = transformers.Wav2Vec2ForCTC(cfg)
+    # Frames after the feature encoder: 19 (tiny, 200 samples) and 199 (bench, 4000 samples,
+    # a quarter second at 16 kHz). CTC's recursion is unrolled over the frames in the graph.
+    t = 200 if tiny else 4000
+    width = 4 if tiny else 24
 
     def make_batch(b: int, g: torch.Generator) -> tuple:
-        mask = _padding_mask(_lengths(b, t, g), t)
+        lengths = _lengths(b, t, g)
+        mask = _padding_mask(lengths, t)
         x = torch.randn(b, t, generator=g) * mask
-        return (x, mask, torch.randint(0, 4, (b,), generator=g))
+        # Transcripts of 1..width labels in [1, vocab), padded with -100 (transformers' convention);
+        # short enough that every example has an alignment.
+        n = torch.randint(1, width + 1, (b,), generator=g)
+        labels = torch.randint(1, cfg.vocab_size, (b, width), generator=g)
+        labels = torch.where(torch.arange(width)[None, :] < n[:, None], labels, -100)
+        return (x, mask, labels)
 
-    def loss_fn(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return m(input_values=x, attention_mask=mask, labels=y).loss
+    def loss_fn(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return m(input_values=x, attention_mask=mask, labels=labels).loss
 
     return model, loss_fn, make_batch
 
@@ -322,7 +333,7 @@ ZOO: dict[str, Entry] = {
         Entry("roberta", "RoBERTa sequence classifier, 2-D padding mask", lambda s: _encoder_classifier("roberta", s), ("transformers",)),
         Entry("t5", "T5 encoder-decoder, 2-D padding mask", _t5, ("transformers",)),
         Entry("vit", "ViT image classifier (ViT-B/16 width at bench size, 224x224)", _vit, ("transformers",)),
-        Entry("wav2vec2", "Wav2Vec2 audio classifier, 2-D mask, default LayerDrop and SpecAugment", _wav2vec2, ("transformers",)),
+        Entry("wav2vec2", "Wav2Vec2ForCTC trained with its labels (CTC), 2-D mask, default LayerDrop and SpecAugment", _wav2vec2, ("transformers",)),
         Entry("resnet18_gn", "ResNet-18 with GroupNorm, 32x32 images", _resnet18_gn),
         Entry("lstm_packed", "2-layer bidirectional LSTM over packed sequences", lambda s: _recurrent("lstm", s)),
         Entry("gru", "2-layer bidirectional GRU", lambda s: _recurrent("gru", s)),

@@ -2,7 +2,7 @@
 
 The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
 sometimes looks at tensor values in Python, or draws random numbers on the host, which a
-static per-example graph cannot do. Four patterns are handled while
+static per-example graph cannot do. Five patterns are handled while
 :func:`~opake_compile.compile_dp` traces, and only then (every change is undone when tracing
 returns or raises):
 
@@ -51,6 +51,27 @@ returns or raises):
    batch, which changes no example's mask distribution. Code that is not the recognised one
    (another transformers version) is refused by name when it would draw.
 
+5. **CTC** (Graves et al. 2006, "Connectionist Temporal Classification"). PyTorch's
+   ``ctc_loss`` kernel cannot be traced (its output shape depends on the target lengths'
+   values) and has no ``vmap`` rule. While tracing, ``torch.nn.functional.ctc_loss`` and
+   ``torch.ctc_loss`` are routed (a ``TorchFunctionMode``) to :func:`opake_compile._ctc.ctc_loss`:
+   the forward recursion in log space over the blank-interleaved targets, with the kernel's
+   values (``blank``, ``reduction``, ``zero_infinity``; padded or concatenated targets) and
+   autograd's gradients, lengths kept as tensors. It is unrolled over the ``T`` frames (``T``
+   is static): about 40 graph nodes per frame with its gradient (about 2,000 at ``T = 50`` and
+   7,700 at ``T = 200``), so long utterances make large graphs. transformers' ``ForCTCLoss``
+   (``model.loss_function`` of the ``*ForCTC`` heads) flattens the labels with a
+   data-dependent ``masked_select``; the recognised code is replaced in ``LOSS_MAPPING`` by one
+   that moves each row's kept labels to its front with a stable sort (the same targets, at a
+   static shape). The heads' ``forward`` checks ``labels.max() >= config.vocab_size`` in
+   Python; on the traced model's recognised ``*ForCTC`` instances (Wav2Vec2, HuBERT, WavLM,
+   Data2VecAudio, SEW, SEW-D, UniSpeech, UniSpeechSat, Wav2Vec2-Conformer) ``forward`` runs the
+   model without labels when they are batched and builds the loss from the logits exactly as
+   transformers does. Under an eager ``vmap`` (``opake.verify``'s reference) the labels' values
+   are real and transformers' check runs on the whole batch; in the traced graph they are not,
+   and a label outside the vocabulary fails in the loss's gather when the step runs (an index
+   error); validating labels in the data pipeline reports it earlier.
+
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
 :func:`opake_compile.clipped_grad`); ``is_runtime_patched()`` says whether they are installed;
@@ -70,6 +91,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 
 from opake_compile.exceptions import UnsupportedOperationError
@@ -89,6 +111,14 @@ def _is_vmapped(t: Any) -> bool:
             return False
         t = ft.get_unwrapped(t)
     return False
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under every functorch wrapper (``vmap`` and ``grad`` levels) of ``t``."""
+    ft = torch._C._functorch
+    while ft.is_functorch_wrapped_tensor(t) or ft.is_batchedtensor(t):
+        t = ft.get_unwrapped(t)
+    return t
 
 
 def _cannot_skip_when_batched(original: Callable[..., bool]) -> Callable[..., bool]:
@@ -578,6 +608,149 @@ def _method_shims(model: nn.Module) -> Iterator[None]:
                 mod.__dict__[name] = before
 
 
+# ----------------------------------------------------------------------------- CTC
+class _TraceableCTC(TorchFunctionMode):
+    """Routes ``F.ctc_loss`` and ``torch.ctc_loss`` to :func:`opake_compile._ctc.ctc_loss` (same
+    values, plain tensor operations) while tracing (see the module docstring, item 5)."""
+
+    _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # torch.ctc_loss takes the enum
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.ctc_loss:
+            from opake_compile._ctc import ctc_loss
+
+            return ctc_loss(*args, **kwargs)
+        if func is torch.ctc_loss:
+            from opake_compile._ctc import ctc_loss
+
+            names = ("log_probs", "targets", "input_lengths", "target_lengths", "blank", "reduction", "zero_infinity")
+            bound = dict(zip(names, args), **kwargs)
+            bound["reduction"] = self._REDUCTIONS[int(bound.get("reduction", 1))]
+            return ctc_loss(**bound)
+        return func(*args, **kwargs)
+
+
+def _traceable_for_ctc_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    logit_lengths: torch.Tensor,
+    blank_token_id: int,
+    reduction: str = "mean",
+    zero_infinity: bool = False,
+    ignore_index: int = -100,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' ``ForCTCLoss`` without its data-dependent ``masked_select``: the labels kept
+    (neither ``ignore_index`` nor blank) are moved to the front of each row by a stable sort,
+    in order, and passed as padded targets with their counts as target lengths: the same
+    targets as the flattened ones, at a static shape."""
+    from opake_compile._ctc import ctc_loss
+
+    labels = labels.to(logits.device)
+    keep = (labels != ignore_index) & (labels != blank_token_id)
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+    targets = labels.gather(-1, order)
+    log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+    return ctc_loss(
+        log_probs, targets, logit_lengths, keep.sum(-1), blank=blank_token_id, reduction=reduction, zero_infinity=zero_infinity
+    )
+
+
+# Fingerprints of transformers' ``ForCTCLoss`` that ``_traceable_for_ctc_loss`` reproduces.
+_KNOWN_FOR_CTC_LOSS = frozenset({"c4b0ad3699b48e2c"})
+
+
+@contextlib.contextmanager
+def _traceable_loss_mapping() -> Iterator[None]:
+    """Replace transformers' ``LOSS_MAPPING["ForCTC"]`` (what ``model.loss_function`` returns for
+    the ``*ForCTC`` heads) by :func:`_traceable_for_ctc_loss` if it is the recognised code."""
+    mapping_module = sys.modules.get("transformers.loss.loss_utils")
+    mapping = getattr(mapping_module, "LOSS_MAPPING", None)
+    original = mapping.get("ForCTC") if isinstance(mapping, dict) else None
+    try:
+        known = original is not None and _fingerprint(original) in _KNOWN_FOR_CTC_LOSS
+    except Exception:  # noqa: BLE001 - no source: not recognised, left as it is
+        known = False
+    if known:
+        mapping["ForCTC"] = _traceable_for_ctc_loss
+    try:
+        yield
+    finally:
+        if known:
+            mapping["ForCTC"] = original
+
+
+# transformers' ``*ForCTC.forward`` (Wav2Vec2, HuBERT, WavLM, Data2VecAudio, SEW, SEW-D,
+# UniSpeech, UniSpeechSat, Wav2Vec2-Conformer): the label check and the loss it builds.
+_CTC_HEAD_LINES = (
+    "if labels is not None and labels.max() >= self.config.vocab_size:",
+    "input_lengths = self._get_feat_extract_output_lengths(attention_mask.sum(-1)).to(torch.long)",
+    "blank_token_id=self.config.pad_token_id, reduction=self.config.ctc_loss_reduction, "
+    "zero_infinity=self.config.ctc_zero_infinity,",
+)
+_CTC_HEAD_KIND: dict[type, bool] = {}
+
+
+def _is_ctc_head(cls: type) -> bool:
+    if cls not in _CTC_HEAD_KIND:
+        try:
+            src = " ".join(inspect.getsource(cls.forward).split())
+        except (OSError, TypeError):
+            src = ""
+        _CTC_HEAD_KIND[cls] = all(line in src for line in _CTC_HEAD_LINES)
+    return _CTC_HEAD_KIND[cls]
+
+
+def _ctc_head_forward(mod: nn.Module) -> Callable[..., Any]:
+    """A recognised ``*ForCTC.forward`` whose label check is skipped when the labels are batched
+    by ``vmap`` (their values are per example: a Python ``if`` on them cannot be traced). The
+    model runs without labels and the loss is built from its logits exactly as transformers
+    does (input lengths from the attention mask, ``self.loss_function`` with the config's blank,
+    reduction and ``zero_infinity``). A label outside the vocabulary still fails, in the CTC
+    loss's gather (an index error); validate labels in the data pipeline to fail earlier."""
+    forward = mod.forward
+
+    def ctc_forward(input_values: Any = None, attention_mask: Any = None, labels: Any = None, **kwargs: Any) -> Any:
+        if labels is None or not _is_vmapped(labels):
+            return forward(input_values, attention_mask=attention_mask, labels=labels, **kwargs)
+        whole = _unwrapped(labels)
+        if not is_fake(whole) and bool(whole.max() >= mod.config.vocab_size):
+            # Real values under an eager ``vmap`` (``opake.verify``): transformers' check, on the batch.
+            raise ValueError(f"Label values must be <= vocab_size: {mod.config.vocab_size}")
+        out = forward(input_values, attention_mask=attention_mask, **kwargs)
+        logits = out.logits if not isinstance(out, tuple) else out[0]
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_values, dtype=torch.long)
+        input_lengths = mod._get_feat_extract_output_lengths(mask.sum(-1)).to(torch.long)
+        config = mod.config
+        loss = mod.loss_function(
+            logits=logits, labels=labels, logit_lengths=input_lengths, blank_token_id=config.pad_token_id,
+            reduction=config.ctc_loss_reduction, zero_infinity=config.ctc_zero_infinity, **kwargs,
+        )
+        if isinstance(out, tuple):
+            return (loss, *out)
+        return type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+
+    return ctc_forward
+
+
+@contextlib.contextmanager
+def _ctc_heads(model: nn.Module) -> Iterator[None]:
+    done: list[tuple[nn.Module, Any]] = []
+    try:
+        for mod in model.modules():
+            if _is_ctc_head(type(mod)):
+                done.append((mod, mod.__dict__.get("forward", _NO_ATTR)))
+                mod.forward = _ctc_head_forward(mod)
+        yield
+    finally:
+        for mod, before in reversed(done):
+            if before is _NO_ATTR:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = before
+
+
 # ----------------------------------------------------------------------------- the scope
 @contextlib.contextmanager
 def tracing_patches(model: nn.Module, draws: _BatchDraws | None = None) -> Iterator[_BatchDraws]:
@@ -593,6 +766,9 @@ def tracing_patches(model: nn.Module, draws: _BatchDraws | None = None) -> Itera
         stack.callback(_restore, saved)
         stack.enter_context(_layerdrop_in_graph(model, draws))
         stack.enter_context(_method_shims(model))
+        stack.enter_context(_ctc_heads(model))
+        stack.enter_context(_traceable_loss_mapping())
+        stack.enter_context(_TraceableCTC())
         stack.enter_context(_compiling_flag())
         stack.enter_context(_FunctionalMaskedWrites())
         yield draws

@@ -431,7 +431,7 @@ _ZERO_DROPOUT = dict(hidden_dropout=0.0, attention_dropout=0.0, activation_dropo
 
 
 def _frame_loss(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """A per-frame head's logits pooled over frames (CTC's own loss has no fake kernel)."""
+    """A per-frame head's logits pooled over frames (a cheap loss; the heads' own CTC loss with labels: test_coverage_ctc.py)."""
     return F.cross_entropy(m(input_values=x, attention_mask=mask).logits.mean(1), y)
 
 

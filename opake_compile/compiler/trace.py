@@ -319,7 +319,7 @@ def trace_per_example_grads(
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
     extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
     try:
-        # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment.
+        # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
         with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws):
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
