@@ -33,7 +33,7 @@ baseline. The training loss logged during the private run is computed on the pri
 without noise (**not privatised**), and so are the held-out accuracies (they describe the
 held-out docstrings, which the private run never trains on).
 
-Run it (a few minutes on 2 CPU cores; ``--quick`` for a smoke run)::
+Run it (about 4 minutes of CPU with the defaults; ``--quick`` for a smoke run)::
 
     python examples/finetune_classifier.py
     python examples/finetune_classifier.py --quick --backend aot_eager
@@ -54,10 +54,11 @@ import warnings
 from pathlib import Path
 
 import torch
+import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling finetune_lm, when imported
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling finetune_lm, also when imported
 
-from finetune_lm import chunks, gpt2_config, pretrain, train_tokenizer, transformers, with_lora  # noqa: E402
+from finetune_lm import chunks, gpt2_config, pretrain, train_tokenizer, with_lora  # noqa: E402
 
 from opake_compile.transformers import DPTrainer, PadToLength, TrainingArguments  # noqa: E402
 
