@@ -18,6 +18,7 @@ machine and its load: run it on an otherwise idle machine.
 
     python bench/bench_trainer.py                      # defaults: B = 8, T = 256, 10 rounds
     python bench/bench_trainer.py --quick              # tiny smoke run
+    python bench/bench_trainer.py --rounds 100 --budget-s 600   # as many rounds as fit in 10 minutes
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop after the round that passes this many seconds of timed rounds (at least 2 rounds)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--no-opacus", action="store_true")
@@ -126,16 +129,21 @@ def main() -> None:
 
     t0 = time.perf_counter()
     dp_step()  # compile
-    print(f"DPTrainer step compile + first step: {time.perf_counter() - t0:.1f} s (backend {ns.backend})")
+    print(f"DPTrainer step compile + first step: {time.perf_counter() - t0:.1f} s (backend {ns.backend})", flush=True)
     for _ in range(ns.warmup):
         for fn in steps.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(ns.rounds):
+    start = time.perf_counter()
+    for r in range(ns.rounds):
         for name, fn in steps.items():
             times[name].append(timed(fn))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in times.items()), flush=True)
+        if ns.budget_s is not None and r >= 1 and time.perf_counter() - start > ns.budget_s:
+            break
+    rounds = len(times["plain"])
     print(f"GPT-2 {ns.layers} layers, width {ns.width}, vocab {ns.vocab}, B = {b}, T = {t}; "
-          f"{torch.get_num_threads()} threads; {ns.rounds} paired rounds (medians)")
+          f"{torch.get_num_threads()} threads; {rounds} paired rounds (medians)")
     for name in steps:
         print(f"  {name:7s} {statistics.median(times[name]) * 1e3:9.1f} ms/step")
     for name in steps:

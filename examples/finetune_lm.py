@@ -138,10 +138,22 @@ def pretrain(model, x: torch.Tensor, steps: int, seed: int) -> None:
         opt.step()
 
 
-def with_lora(model, rank: int):
+def gpt2_config(tok, n_positions: int, width: int, layers: int) -> transformers.GPT2Config:
+    """A small GPT-2 config for the tokenizer ``tok`` (eager attention: SDPA has no vmap rule)."""
+    config = transformers.GPT2Config(
+        vocab_size=len(tok), n_positions=n_positions, n_embd=width, n_layer=layers,
+        n_head=max(1, width // 32), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def with_lora(model, rank: int, modules_to_save: list[str] | None = None):
+    """LoRA adapters on GPT-2's attention and MLP projections; ``modules_to_save`` are trained in full."""
     config = peft.LoraConfig(
         r=rank, lora_alpha=2 * rank, lora_dropout=0.0, fan_in_fan_out=True,
-        target_modules=["c_attn", "c_proj", "c_fc"],
+        target_modules=["c_attn", "c_proj", "c_fc"], modules_to_save=modules_to_save,
     )
     return peft.get_peft_model(model, config)
 
@@ -159,13 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     delta = 10.0 ** math.floor(math.log10(n ** -1.1))
     print(f"data: pydoc_data.topics, {len(public)}/{len(private)}/{len(held_out)} topics public/private/held-out; "
           f"{n} private sequences of {args.seq_len} tokens (the privacy unit), {len(x_test)} held-out")
-    config = transformers.GPT2Config(
-        vocab_size=len(tok), n_positions=args.seq_len, n_embd=args.width, n_layer=args.layers,
-        n_head=max(1, args.width // 32), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.eos_token_id,
-    )
-    config._attn_implementation = "eager"  # SDPA has no vmap rule
-    base = transformers.GPT2LMHeadModel(config)
+    base = transformers.GPT2LMHeadModel(gpt2_config(tok, args.seq_len, args.width, args.layers))
     pretrain(base, x_pub, args.pretrain_steps, args.seed)
     ppl_before = perplexity(base, x_test)
     print(f"held-out perplexity after public pre-training: {ppl_before:.2f}")
