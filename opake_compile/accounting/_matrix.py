@@ -53,6 +53,16 @@ def _check_strategy(strategy: Any) -> Any:
     return strategy
 
 
+def _check_run(strategy: Any, noise_multiplier: float, steps: int) -> tuple[Any, float, int]:
+    """The strategy, sigma and a step count within the strategy's horizon, validated."""
+    strategy = _check_strategy(strategy)
+    sigma = check_noise_multiplier(noise_multiplier)
+    steps = check_nonnegative_int(steps, name="steps")
+    if steps > strategy.n:
+        raise ConfigurationError(f"steps={steps} exceeds the {strategy.n} steps of {strategy!r}.")
+    return strategy, sigma, steps
+
+
 def mf_gaussian(
     strategy: Any, noise_multiplier: float, *, participations: int = 1, min_separation: int | None = None
 ) -> GaussianMechanism:
@@ -151,12 +161,8 @@ def b_min_sep(strategy: Any, noise_multiplier: float, min_separation: int, *, st
         >>> s = dpftrl.band_mf_strategy(100, 4)
         >>> acc.b_min_sep(s, 2.0, 20, steps=100)  # 5 participations: gaussian(2 / sqrt(5))
     """
-    strategy = _check_strategy(strategy)
-    sigma = check_noise_multiplier(noise_multiplier)
+    strategy, sigma, steps = _check_run(strategy, noise_multiplier, steps)
     b = check_positive_int(min_separation, name="min_separation")
-    steps = check_nonnegative_int(steps, name="steps")
-    if steps > strategy.n:
-        raise ConfigurationError(f"steps={steps} exceeds the {strategy.n} steps of {strategy!r}.")
     if steps == 0:
         return gaussian(sigma) * 0
     k = -(-steps // b)
@@ -192,12 +198,8 @@ def balls_in_bins(strategy: Any, noise_multiplier: float, epoch_steps: int, *, s
 
         >>> acc.balls_in_bins(dpftrl.identity_strategy(40), 2.0, 10, steps=40)  # gaussian(1.0)
     """
-    strategy = _check_strategy(strategy)
-    sigma = check_noise_multiplier(noise_multiplier)
+    strategy, sigma, steps = _check_run(strategy, noise_multiplier, steps)
     s = check_positive_int(epoch_steps, name="epoch_steps")
-    steps = check_nonnegative_int(steps, name="steps")
-    if steps > strategy.n:
-        raise ConfigurationError(f"steps={steps} exceeds the {strategy.n} steps of {strategy!r}.")
     if steps == 0:
         return gaussian(sigma) * 0
     return gaussian(sigma / strategy.epoch_sensitivity(s, steps))
