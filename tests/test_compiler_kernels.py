@@ -62,6 +62,28 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept.all()), got)
 
 
+@pytest.mark.parametrize("m", [0, 1, 3, 5], ids=lambda m: f"first{m}")
+@pytest.mark.parametrize("r,c", [(3, 7), (7, 3)], ids=["r<c", "r>c"])
+def test_bookkeeping_mm_padded_tail_is_sliced_off_with_its_nan_and_factor(m, r, c):
+    # A chunk padded at its end keeps exactly its first m rows: the operator slices the rest
+    # off (no select copies); their NaN, inf and factors must still never reach the sum.
+    p, k = 5, 3
+    at = torch.randn(p, k, r, generator=_gen(20), dtype=F64)
+    b = torch.randn(p, k, c, generator=_gen(21), dtype=F64)
+    kept = torch.arange(p) < m
+    at[m:, 0, 0] = math.nan
+    b[m:, 1, 1] = math.inf
+    factor = torch.rand(p, generator=_gen(22), dtype=F64)
+    factor[m:] = math.nan
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+    assert got.shape == (r, c) and bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
+    # The same rows excluded in a pattern that is not a prefix take the select path: same sum.
+    perm = torch.tensor([4, 0, 3, 1, 2]) if 0 < m < p else torch.arange(p)
+    got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept.all())
+    torch.testing.assert_close(got2, got, rtol=1e-12, atol=1e-12)
+
+
 def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
     p, k, r, c = 3, 2, 4, 5
     at = torch.randn(p, k, r, generator=_gen(10), dtype=F64)

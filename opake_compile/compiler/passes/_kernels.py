@@ -42,11 +42,17 @@ def bookkeeping_mm(
     p, k, r = at.shape
     c = b.shape[2]
     acc = factor.dtype
+    # On CPU reading ``kept`` costs nothing. When the kept examples are exactly the first m
+    # rows (every example kept, or a chunk padded at its end: the common case), the excluded
+    # rows are sliced off (views: they never enter the product, so their NaN or inf cannot
+    # either) and only the smaller factor is copied (scaled). Otherwise, and always on an
+    # accelerator (where reading ``kept`` would be a host sync per layer), the selects run.
+    rows = _kept_prefix(kept, all_kept)
+    if rows is not None and rows < p:
+        at, b, kept, factor = at[:rows], b[:rows], kept[:rows], factor[:rows]
+        p = rows
     f3 = factor.view(p, 1, 1)
-    # On CPU reading ``all_kept`` costs nothing; when every example is kept the selects are
-    # the identity and only the smaller factor is copied (scaled). On an accelerator this
-    # would be a host sync per layer, so there the selects always run.
-    if all_kept.device.type == "cpu" and bool(all_kept):
+    if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
         scale_left = r <= c
         if scale_left:
@@ -72,6 +78,16 @@ def bookkeeping_mm(
         with ieee_float32_matmul():
             return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
     return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c)).to(acc)
+
+
+def _kept_prefix(kept: torch.Tensor, all_kept: torch.Tensor) -> int | None:
+    """``m`` when ``kept`` (on the CPU) is True on exactly its first ``m`` rows, else ``None``."""
+    if all_kept.device.type != "cpu":
+        return None
+    if bool(all_kept):
+        return kept.shape[0]
+    m = int(kept.sum())
+    return m if bool(kept[:m].all()) else None
 
 
 def _scaled_underflows(scaled: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> bool:
