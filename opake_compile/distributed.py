@@ -355,7 +355,7 @@ def reduce_pytree_(tree: Any, op: str | dist.ReduceOp = "sum", *, bucket_bytes: 
     return tree
 
 
-def _sum_clipped(clipped: Any, reduce: Any, name: str) -> ClippedPytree:
+def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> ClippedPytree:
     if not isinstance(clipped, ClippedPytree):
         if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
             clipped = accumulate(clipped)
@@ -379,7 +379,7 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str) -> ClippedPytree:
     counts = torch.tensor([clipped.num_examples, clipped.num_nonfinite], dtype=torch.int64, device=device)
     counts = all_reduce(counts, "sum").tolist()
     grads = clipped.grads
-    if name == "sum_gradients":
+    if not in_place:
         # The ranks' partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
         grads = optree.tree_map(lambda t: t.to(torch.float64) if isinstance(t, torch.Tensor) else t, grads)
     elif int(counts[0]) > _num.MAX_FLOAT32_SUM_ROWS and any(
@@ -422,7 +422,7 @@ def sum_gradients_(clipped: ClippedPytree | Sequence[ClippedPytree], *, bucket_b
         >>> total = sum_gradients_(step(x, y).clipped)  # doctest: +SKIP
         >>> optimizer.step(total)                       # doctest: +SKIP
     """
-    return _sum_clipped(clipped, lambda g: reduce_pytree_(g, "sum", bucket_bytes=bucket_bytes), "sum_gradients_")
+    return _sum_clipped(clipped, lambda g: reduce_pytree_(g, "sum", bucket_bytes=bucket_bytes), "sum_gradients_", in_place=True)
 
 
 def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPytree:
@@ -459,7 +459,7 @@ def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPy
         >>> total = sum_gradients(step(x, y).clipped)  # doctest: +SKIP
         >>> optimizer.step(total)                      # doctest: +SKIP
     """
-    return _sum_clipped(clipped, lambda g: reduce_pytree(g, "sum"), "sum_gradients")
+    return _sum_clipped(clipped, lambda g: reduce_pytree(g, "sum"), "sum_gradients", in_place=False)
 
 
 # ----------------------------------------------------------------------------- shared state
