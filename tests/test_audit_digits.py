@@ -6,9 +6,7 @@ bound below its accountant's epsilon, the non-private run flagged as such."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +15,14 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "audit_digits.py"
+from _examples import load_example  # noqa: E402
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("audit_digits", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
-    ad = _load()
+    ad = load_example("audit_digits.py", "audit_digits")
     plot = tmp_path_factory.mktemp("audit") / "hist.png"
     config = ad.parse_args(
         ["--epochs", "2", "--subset", "300", "--canaries", "100", "--backend", "aot_eager", "--no-progress", "--quiet", "--plot", str(plot)]

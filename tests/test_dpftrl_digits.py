@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -14,18 +11,12 @@ pytest.importorskip("sklearn")
 from opake_compile import accounting, dpftrl  # noqa: E402
 from opake_compile.exceptions import ConfigurationError  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+from _examples import load_example  # noqa: E402
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("train_digits_dpftrl", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
-td = _load_example()
+td = load_example("train_digits.py", "train_digits_dpftrl")
 
 
 def _config(**changes):

@@ -11,10 +11,7 @@ class reliably.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -25,19 +22,13 @@ pytest.importorskip("tokenizers")
 
 from opake_compile import accounting  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "finetune_classifier.py"
+from _examples import load_example  # noqa: E402
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("finetune_classifier", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_quick_run_reports_accuracy_within_the_budget(tmp_path, capsys):
-    fc = _load_example()
+    fc = load_example("finetune_classifier.py", "finetune_classifier")
     out = fc.main(["--quick", "--backend", "aot_eager", "--no-progress", "--output-dir", str(tmp_path)])
     printed = capsys.readouterr().out
     assert "majority class" in printed and "private fine-tune" in printed

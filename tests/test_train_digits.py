@@ -10,9 +10,7 @@ PLD accountant. Bad data files must fail with the project's errors before any tr
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +21,12 @@ pytest.importorskip("sklearn")
 from opake_compile import accounting  # noqa: E402
 from opake_compile.exceptions import ConfigurationError, InputTypeError  # noqa: E402
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "train_digits.py"
+from _examples import load_example  # noqa: E402
 
 
-def _load_example():
-    spec = importlib.util.spec_from_file_location("train_digits", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
 
 
-td = _load_example()
+td = load_example("train_digits.py", "train_digits")
 
 
 def _config(**changes):
