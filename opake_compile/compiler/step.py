@@ -101,7 +101,8 @@ class _SizePlan:
     n0, and above it ``g -> min(floor(r (g + 1)), max_rows)``, below it
     ``g -> ceil(g / r) - 1`` (r = :data:`BUCKET_RATIO`), so a chunk of m rows is padded to the
     smallest grid point g >= m with ``g <= r m``. Chunks hold at most ``max_rows``
-    (n0 + 3 sqrt(n0) rounded up to 8: the old single size, which bounds memory). Sizes are
+    (n0 + 3 sqrt(n0) rounded up to 8: the old single size, which bounds memory), and never
+    more than ``numerics.MAX_FLOAT32_SUM_ROWS`` (the anchor is capped the same way). Sizes are
     compiled lazily; once ``max_sizes`` sizes are in use, a chunk takes the smallest size in use
     that holds it (or the largest, and the rest goes to further chunks), so the number of
     graphs never exceeds the cap. Plans are memoised per batch size (Python work per call).
