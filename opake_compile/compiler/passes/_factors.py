@@ -29,10 +29,12 @@ factors with a select before any product, so a NaN in an excluded example cannot
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -59,6 +61,8 @@ __all__ = [
     "emit_sq_norm",
     "fast_gram_ok",
     "FAST_GRAM_OVERCLIP",
+    "FAST_GRAM_ESCALATE",
+    "float64_grams",
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
@@ -234,30 +238,56 @@ def _b_key(f: Factor) -> object:
     return value_key(f.b)
 
 
-def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
+def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype, name: str | None = None) -> bool:
     """Whether float32 Gram matrices are accurate enough here (:func:`emit_sq_norm`).
 
-    Their rigorous error bound is ``(gamma_R + gamma_C) S^2``, so the bound added to the
-    squared norm inflates an ordinary example's norm (``sq ~ S^2 / K``) by about
-    ``(gamma_R + gamma_C) K``. Float32 Grams are used when that is at most
-    :data:`FAST_GRAM_OVERCLIP` (0.4 %); wider layers or longer sequences get float64 ones."""
+    Their rounding bound (:func:`_frobenius_rounding`) inflates an ordinary example's norm
+    (positions that do not line up) by about ``(gamma_R + gamma_C) sqrt(K)`` (half that,
+    doubled for correlated positions). Float32 Grams are used when that is at most
+    :data:`FAST_GRAM_OVERCLIP` (0.4 %); wider layers or longer sequences get float64 ones, and
+    so does parameter ``name`` inside :func:`float64_grams` naming it (the step's answer to a
+    batch whose norms the bound inflated by more than :data:`FAST_GRAM_ESCALATE`)."""
+    if name is not None and name in _FLOAT64_GRAMS.get():
+        return False
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
     if all(f.k == 1 and not f.onehot for f in factors):
         return False  # rank one: no Gram matrix, only sums of squares (bounded above)
-    u = unit_roundoff(torch.float32, matmul=True)
-    rows = max([f.rows for f in factors if not f.onehot] + [0])
-    cols = max(f.cols for f in factors)
+    g_r, g_c = _gram_gammas(factors)
     k = sum(f.k for f in factors)
-    return (gamma(rows, u) + gamma(cols, u)) * k <= FAST_GRAM_OVERCLIP
+    return (g_r + g_c) * math.sqrt(k) <= FAST_GRAM_OVERCLIP
 
 
 #: The largest typical norm inflation (relative) accepted from float32 Gram matrices.
 FAST_GRAM_OVERCLIP = 4e-3
 
+#: The norm inflation (relative, the largest over a batch's kept examples) from float32 Gram
+#: matrices' rounding bounds beyond which a step rebuilds its graphs with float64 Grams for the
+#: parameters contributing most (:class:`~opake_compile.compiler.step.DPStep`): strongly
+#: aligned positions (anisotropic activations, the output gradients of a small-vocabulary LM
+#: head) make the bound as large as ``(gamma_R + gamma_C) K``.
+FAST_GRAM_ESCALATE = 5e-3
+
+_FLOAT64_GRAMS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("opake_float64_grams", default=frozenset())
+
+
+@contextlib.contextmanager
+def float64_grams(names: frozenset[str]) -> Iterator[None]:
+    """Within this block, rewrites form the Gram matrices of the parameters ``names`` in
+    float64 (:func:`fast_gram_ok`)."""
+    token = _FLOAT64_GRAMS.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _FLOAT64_GRAMS.reset(token)
+
 
 def emit_sq_norm(
-    em: Emitter, factors: list[Factor], grams: dict | None = None, gram_dtype: torch.dtype = NORM_DTYPE
+    em: Emitter,
+    factors: list[Factor],
+    grams: dict | None = None,
+    gram_dtype: torch.dtype = NORM_DTYPE,
+    slack_out: list[fx.Node] | None = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Ghost norm: an upper bound on the per-example squared Frobenius norm of
     ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
@@ -268,12 +298,19 @@ def emit_sq_norm(
     the longest chain, ``S = sum over positions of ||a_k|| ||b_k||``, read off the Gram
     diagonals), and that bound is added; float64 factors are rescaled by powers of two first.
     ``gram_dtype=float32`` (where :func:`fast_gram_ok`): float32 Gram matrices reduced in
-    float64, plus ``2 (gamma_R + gamma_C) S^2`` (:func:`_bound_rounding`) and a bound for
-    float32 underflow (:func:`_bound_underflow`), with S from bounded per-position norms.
-    Rank-one terms use sums of squares bounded above (``emit_sum_sq_bound``).
+    float64, plus the smaller of two bounds on their rounding (:func:`_bound_rounding`:
+    ``2 (gamma_R + gamma_C) S^2``, or the Frobenius form ``gamma_R ||A||^2 ||B B^T||_F +
+    gamma_C ||B||^2 ||A^T A||_F + ...``, about sqrt(K) times smaller when positions do not
+    line up) and a bound for float32 underflow (:func:`_bound_underflow`), with S and the
+    Frobenius norms from bounded per-position norms. Rank-one terms use sums of squares
+    bounded above (``emit_sum_sq_bound``).
 
     Returns:
         ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
+
+    ``slack_out``: where the float32 Grams' rounding bound (shape (P,), float64, the part a
+    float64 Gram form would not add) is appended, so that the step can see how far it
+    inflates this batch's norms (:data:`FAST_GRAM_ESCALATE`).
 
     ``grams``: a cache shared by the parameters of one graph. Layers that read the same input
     (q/k/v or gate/up projections, LoRA adapters next to each other) have the same right
@@ -298,6 +335,7 @@ def emit_sq_norm(
 
     bs = [_b_of(em, f, acc) for f in factors]
     total = None
+    frob_parts = []  # fast Grams: per pair, gamma_R ||A||^2 ||G_B||_F + gamma_C ||B||^2 ||G_A||_F
     s_parts = []  # per term: sum_k ||a_k|| ||b_k||, from the diagonals of its own Gram matrices
     for j, f in enumerate(factors):
         for k in range(j, len(factors)):
@@ -324,6 +362,11 @@ def emit_sq_norm(
                 gb = cached(("gram",) + b_key, lambda: em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2)))
                 if fast:  # products of two float32 entries are exact in float64: reduce there
                     ga, gb = _as_dtype(em, ga, NORM_DTYPE), _as_dtype(em, gb, NORM_DTYPE)
+                    # Frobenius norms of the computed Grams, for _bound_rounding: squares of
+                    # float32 numbers are exact in float64, their sum within gamma_{K^2}(u_64).
+                    fro_a = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, ga, [shape(ga)[0], -1])))
+                    fro_b = cached(("fro",) + b_key, lambda: em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, gb, [shape(gb)[0], -1]))))
+                    frob_parts.append((fro_a, fro_b, 1.0 if k == j else 2.0))
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
                 if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
@@ -343,7 +386,8 @@ def emit_sq_norm(
             s = em(aten.add.Tensor, s, part)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
-        total = _bound_rounding(factors, total, mass_sq, em, gram_dtype)
+        frob = _frobenius_rounding(em, factors, frob_parts, fast_norms[1], fast_norms[2]) if fast and frob_parts else None
+        total = _bound_rounding(factors, total, mass_sq, em, gram_dtype, frob, slack_out)
     if fast:
         total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
     if unscale is not None:
@@ -442,7 +486,15 @@ def _rescale_float64(
     return out, unscale
 
 
-def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Emitter, gram_dtype: torch.dtype = NORM_DTYPE) -> fx.Node:
+def _bound_rounding(
+    factors: list[Factor],
+    sq: fx.Node,
+    mass_sq: fx.Node,
+    em: Emitter,
+    gram_dtype: torch.dtype = NORM_DTYPE,
+    frob: fx.Node | None = None,
+    slack_out: list[fx.Node] | None = None,
+) -> fx.Node:
     """``sq + 2 n u S^2``: above the exact squared norm whatever the rounding.
 
     ``sum_{k,l} <a_k, a_l> <b_k, b_l>`` adds terms of both signs bounded by ``S^2``; each
@@ -450,18 +502,64 @@ def _bound_rounding(factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, em: Em
     computed value is within ``n u S^2`` of the exact one (n = R + C + K^2 + 4, a factor 2
     of margin on top). In float64 that is ~10^-10 S^2: invisible on ordinary examples
     (``sq ~ S^2 / K``), decisive on positions that nearly cancel, where the Gram value alone
-    could be far too small and the clip factor too large."""
+    could be far too small and the clip factor too large.
+
+    Float32 Gram matrices (``gram_dtype``) add the rounding of their entries: the smaller of
+    ``2 (gamma_R + gamma_C + gamma_R gamma_C) S^2`` and ``frob``
+    (:func:`_frobenius_rounding`), both valid bounds, so taking the smaller is too. That
+    part is appended to ``slack_out``."""
     n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
     coef = 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))
-    if gram_dtype != NORM_DTYPE:
-        # Float32 Gram entries: each within gamma_R ||a_k|| ||a_l|| (gamma_C for b); their
-        # products and the K^2-term sum are float64. A factor 2 of margin, and n 2^-149 more
-        # (underflow proper is bounded separately by _bound_underflow).
-        u = unit_roundoff(torch.float32, matmul=True)
-        g_r = gamma(max([f.rows for f in factors if not f.onehot] + [1]), u)
-        g_c = gamma(max(f.cols for f in factors), u)
-        coef += 2.0 * (g_r + g_c + g_r * g_c) + n * FLOAT32_TINY
-    return em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, coef))
+    if gram_dtype == NORM_DTYPE:
+        return em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, coef))
+    # Float32 Gram entries: each within gamma_R ||a_k|| ||a_l|| (gamma_C for b); their
+    # products and the K^2-term sum are float64. n 2^-149 more (underflow proper is bounded
+    # separately by _bound_underflow).
+    g_r, g_c = _gram_gammas(factors)
+    coef += n * FLOAT32_TINY
+    slack = em(aten.mul.Tensor, mass_sq, 2.0 * (g_r + g_c + g_r * g_c))
+    if frob is not None:
+        # minimum, not fmin: a NaN bound makes the example non-finite (dropped), never smaller.
+        slack = em(aten.minimum.default, slack, frob)
+    if slack_out is not None:
+        slack_out.append(slack)
+    return em(aten.add.Tensor, em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, coef)), slack)
+
+
+def _gram_gammas(factors: list[Factor]) -> tuple[float, float]:
+    """``(gamma_R, gamma_C)``: the rounding bounds of one float32 Gram entry of A (a dot
+    product over R) and of B (over C), for the widest factor."""
+    u = unit_roundoff(torch.float32, matmul=True)
+    return gamma(max([f.rows for f in factors if not f.onehot] + [1]), u), gamma(max(f.cols for f in factors), u)
+
+
+def _frobenius_rounding(
+    em: Emitter, factors: list[Factor], parts: list[tuple[fx.Node, fx.Node, float]], fa: fx.Node, fb: fx.Node
+) -> fx.Node:
+    """A bound on what rounding the float32 Gram matrices' entries moves the squared norm by,
+    through Frobenius norms instead of ``S^2``; shape (P,), float64.
+
+    For one pair of terms, computed Grams ``G~_A = G_A + E_A`` and ``G~_B = G_B + E_B`` with
+    ``|E_A[k, l]| <= gamma_R ||a_k|| ||a_l||`` (any summation order), so ``||E_A||_F <=
+    gamma_R ||A||_F^2`` (``||A^j|| ||A^k|| <= fa``, the squared Frobenius norms summed over
+    terms), and likewise for B. Then ``sum G~_A G~_B - sum G_A G_B = sum E_A G~_B + sum G_A
+    E_B``, and Cauchy-Schwarz with ``||G_A||_F <= ||G~_A||_F + ||E_A||_F`` gives::
+
+        |error| <= gamma_R fa ||G~_B||_F + gamma_C fb ||G~_A||_F + gamma_R gamma_C fa fb
+
+    per pair (counted twice for an off-diagonal pair), with ``3 gamma_R gamma_C fa fb`` in
+    all, since ``(sum_j ||A^j|| ||B^j||)^2 <= fa fb``. When positions do not line up,
+    ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about ``(gamma_R + gamma_C) sqrt(K)`` of
+    an ordinary squared norm against ``(gamma_R + gamma_C) K`` for the ``S^2`` form; when
+    they do (anisotropic activations), the two are alike. Its own float64 evaluation (sums of
+    at most K^2 exact squares, a few products) is covered by the factor 1.001."""
+    g_r, g_c = _gram_gammas(factors)
+    total = em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fb), 3.0 * g_r * g_c)
+    for fro_a, fro_b, mult in parts:
+        term = em(aten.add.Tensor, em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fro_b), g_r),
+                  em(aten.mul.Tensor, em(aten.mul.Tensor, fb, fro_a), g_c))
+        total = em(aten.add.Tensor, total, em(aten.mul.Tensor, term, mult))
+    return em(aten.mul.Tensor, total, 1.001)
 
 
 def mixed_product_dtype(factors: list[Factor], acc: torch.dtype) -> torch.dtype:
