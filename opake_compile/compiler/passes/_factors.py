@@ -192,10 +192,14 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
     if f.onehot or g.onehot:
         one, dense = (f, g) if f.onehot else (g, f)
         # (A_one^T A_dense)[k, l] = A_dense[ids[k], l]: gather the rows the ids pick.
+        # Gathered first and cast after (a gather is exact): the cast touches K x K entries,
+        # not the R x K of the dense factor (R can be a 50k vocabulary).
         idx = em(aten.expand.default, em(aten.unsqueeze.default, one.a, 2), [p, one.k, dense.k])
-        picked = em(aten.gather.default, _as_dtype(em, dense.a, acc), 1, idx)
+        picked = _as_dtype(em, em(aten.gather.default, dense.a, 1, idx), acc)
         return picked if f.onehot else em(aten.transpose.int, picked, 1, 2)
-    return em(aten.bmm.default, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), _as_dtype(em, g.a, acc))
+    fa = _as_dtype(em, f.a, acc)
+    ga = fa if g.a is f.a else _as_dtype(em, g.a, acc)  # one cast of A for its own Gram
+    return em(aten.bmm.default, em(aten.transpose.int, fa, 1, 2), ga)
 
 
 #: View ops: two chains of them with the same arguments over the same node alias the same
