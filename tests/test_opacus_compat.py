@@ -274,24 +274,58 @@ def test_paired_steps_match_opacus_on_the_script_net(tmp_path, mode):
     assert abs(float(ours_noise.mean())) < 0.05
 
 
+ACCURACY_SEEDS = range(20)  # fixed before the outcome was looked at; see the docstring below
+
+
 @pytest.mark.ondemand
-def test_accuracy_matches_opacus_over_three_seeds(tmp_path):
+def test_accuracy_matches_opacus_over_twenty_seeds(tmp_path):
+    """The issue's end-to-end check: the digits script (only its imports changed, backend
+    aot_eager) and the same script on Opacus 1.6, each run for seeds 0..19, reach mean test
+    accuracies within 2 percentage points; our epsilon stays within the target.
+
+    Why 20 seeds, not 3: one run's test accuracy (360 test digits) varies with the seed by
+    about 1.3 pp (standard deviation) in both libraries (measured over 60 seeds each), so the
+    mean of 3 seeds' gap has a standard deviation of about 1.1 pp and the 2 pp bound failed 6 %
+    of the time with no real difference (seeds 0-2 did fail: 2.04 pp, while seeds 3-5 gave
+    -1.4 pp). Over 20 seeds the gap's standard deviation is about 0.42 pp and a false failure
+    has probability about 2e-6. The systematic differences are pinned down elsewhere, cheaply:
+    test_paired_steps_match_opacus_on_the_script_net (the same update once Opacus's int(q N)
+    and our C_eff are matched; ours is 0.9913 of Opacus's otherwise) and
+    test_sigma_matches_opacus_at_the_same_target_epsilon.
+
+    Seed s fixes the initial weights in both libraries (torch.manual_seed in the script) and,
+    for us, the batches and noise through ``PrivacyEngine(key=opake.random.key(s))`` (Opacus
+    draws them from the seeded global generator), so the test repeats exactly.
+    """
     pytest.importorskip("opacus")
     pytest.importorskip("sklearn")
     ours_script, theirs_script = _load_script(tmp_path, "opake"), _load_script(tmp_path, "opacus")
     ours, theirs = [], []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for seed in range(3):
-            ours.append(_train(ours_script, seed=seed))
-            theirs.append(_train(theirs_script, seed=seed))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # these small models run faster on one thread, and do not stall on a shared machine
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for seed in ACCURACY_SEEDS:
+                ours_script.ENGINE_KWARGS = {"backend": BACKEND, "key": opake.random.key(seed)}
+                ours.append(_train(ours_script, seed=seed))
+                theirs.append(_train(theirs_script, seed=seed))
+    finally:
+        torch.set_num_threads(threads)
     mean = lambda rs, k: sum(float(r[k]) for r in rs) / len(rs)  # noqa: E731
+    gap = mean(ours, "accuracy") - mean(theirs, "accuracy")
+    sd = lambda rs: math.sqrt(sum((float(r["accuracy"]) - mean(rs, "accuracy")) ** 2 for r in rs) / (len(rs) - 1))  # noqa: E731
+    se = math.sqrt((sd(ours) ** 2 + sd(theirs) ** 2) / len(ours))
+    print("seed  opake   opacus")
+    for seed, a, b in zip(ACCURACY_SEEDS, ours, theirs):
+        print(f"{seed:4d}  {a['accuracy']:.4f}  {b['accuracy']:.4f}")
     print(
-        f"opake: sigma {ours[0]['sigma']:.4f} eps {mean(ours, 'epsilon'):.4f} acc {mean(ours, 'accuracy'):.4f} | "
-        f"opacus: sigma {theirs[0]['sigma']:.4f} eps {mean(theirs, 'epsilon'):.4f} acc {mean(theirs, 'accuracy'):.4f}"
+        f"opake: sigma {ours[0]['sigma']:.4f} eps {mean(ours, 'epsilon'):.4f} acc {mean(ours, 'accuracy'):.4f} (sd {sd(ours):.4f}) | "
+        f"opacus: sigma {theirs[0]['sigma']:.4f} eps {mean(theirs, 'epsilon'):.4f} acc {mean(theirs, 'accuracy'):.4f} (sd {sd(theirs):.4f}) | "
+        f"gap {gap:+.4f} (standard error {se:.4f})"
     )
     assert all(r["epsilon"] <= 3.0 * 1.001 for r in ours)
-    assert abs(mean(ours, "accuracy") - mean(theirs, "accuracy")) <= 0.02
+    assert abs(gap) <= 0.02
 
 
 # --------------------------------------------------------------- Poisson, BMM, accounting
