@@ -8,6 +8,7 @@ script at the same target epsilon.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
 import sys
@@ -22,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import opake_compile as opake
 from opake_compile._validate import NotPrivateWarning
-from opake_compile.exceptions import ConfigurationError, UnsupportedOperationError
+from opake_compile.exceptions import ConfigurationError, InputTypeError, UnsupportedOperationError
 from opake_compile.opacus import (
     BatchMemoryManager,
     GradSampleModule,
@@ -172,24 +173,161 @@ def test_sigma_matches_opacus_at_the_same_target_epsilon():
     assert ours == pytest.approx(theirs, rel=0.02)
 
 
+def _script_net(tmp_path):
+    """The digits script's Net after Opacus's ModuleValidator.fix (GroupNorm), its initial
+    weights and the script's training set (N = 1437); skips without opacus or sklearn."""
+    pytest.importorskip("sklearn")
+    opacus = pytest.importorskip("opacus")
+    script = _load_script(tmp_path, "opacus")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = opacus.validators.ModuleValidator.fix(script.Net())
+    train_set, _ = script.load_data()
+    return net, {k: v.clone() for k, v in net.state_dict().items()}, train_set
+
+
+def _flat_params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_paired_steps_match_opacus_on_the_script_net(tmp_path, mode):
+    """Paired check against Opacus 1.6 on the digits script's model: the same initial weights,
+    the same Poisson batches, sigma = 0, C = 1, lr 0.5, momentum 0.5, loss_reduction="mean".
+
+    The two libraries differ in exactly two documented constants: Opacus divides by
+    int(q N) = 62 and clips to C, we divide by q N = 62.478... and clip to
+    C_eff = C / (1 + 2^-10) (the float32 rounding slack). With those two matched, three steps
+    (the second and third exercise momentum) give the same parameters; unmatched, the first
+    update is Opacus's times (62 / q N) (C_eff / C). Then, with sigma = 1, the update's deviation
+    from the sigma = 0 update, times q N / lr, has std sigma C in both libraries."""
+    net, init, train_set = _script_net(tmp_path)
+    from opacus import PrivacyEngine as OpacusEngine
+    from opake_compile.compiler.passes.numerics import effective_clipping_norm
+
+    lr, C = 0.5, 1.0
+
+    def ours(sigma, steps):
+        model = copy.deepcopy(net)
+        model.load_state_dict(init)
+        out = PrivacyEngine(backend=BACKEND).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5),
+            criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(train_set, batch_size=64),
+            noise_multiplier=sigma, max_grad_norm=C, grad_sample_mode=mode, key=opake.random.key(7),
+        )
+        pmodel, popt, criterion, loader = out if mode == "ghost" else (out[0], out[1], nn.CrossEntropyLoss(), out[2])
+        batches, params = [], []
+        for x, y in loader:
+            popt.zero_grad()
+            criterion(pmodel(x), y).backward()
+            popt.step()
+            batches.append((x, y))
+            params.append(_flat_params(model))
+            if len(batches) == steps:
+                break
+        return batches, params, popt
+
+    def theirs(batches, sigma, *, matched):
+        model = copy.deepcopy(net)
+        model.load_state_dict(init)
+        engine = OpacusEngine(accountant="prv")
+        out = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.5),
+            criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(train_set, batch_size=64),
+            noise_multiplier=sigma, max_grad_norm=effective_clipping_norm(C, torch.float32) if matched else C,
+            grad_sample_mode=mode, poisson_sampling=True,
+        )
+        pmodel, popt, loader = out[0], out[1], out[-1]
+        criterion = out[2] if mode == "ghost" else nn.CrossEntropyLoss()
+        assert loader.sample_rate == 1 / 23 and len(loader) == 23
+        assert popt.expected_batch_size == int(1437 / 23) == 62
+        if matched:
+            popt.expected_batch_size = 1437 / 23
+        params = []
+        for x, y in batches:
+            popt.zero_grad()
+            criterion(pmodel(x), y).backward()
+            popt.step()
+            params.append(_flat_params(model))
+        return params
+
+    batches, ours_params, popt = ours(0.0, 3)
+    assert popt.dp.sampler.sample_rate == 1 / 23 and popt.expected_batch_size == pytest.approx(1437 / 23)
+    start = torch.cat([init[k].flatten() for k, _ in net.named_parameters()])
+    for t, (a, b) in enumerate(zip(ours_params, theirs(batches, 0.0, matched=True))):
+        torch.testing.assert_close(a - start, b - start, rtol=1e-4, atol=1e-6, msg=f"step {t + 1}")
+    unmatched = theirs(batches[:1], 0.0, matched=False)[0]
+    ratio = (62 / (1437 / 23)) * effective_clipping_norm(C, torch.float32) / C
+    torch.testing.assert_close(ours_params[0] - start, ratio * (unmatched - start), rtol=1e-4, atol=1e-6)
+
+    # sigma = 1: the noise on the clipped sum has std sigma C per coordinate (about 10^4 of them,
+    # so the sample std is within 4 % with overwhelming probability: its own std is 0.7 %).
+    _, noisy, popt = ours(1.0, 1)
+    ours_noise = (ours_params[0] - noisy[0]) * (1437 / 23) / lr
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        theirs_noise = (unmatched - theirs(batches[:1], 1.0, matched=False)[0]) * 62 / lr
+    print(f"noise std on the sum (sigma C = 1): ours {ours_noise.std():.4f}, opacus {theirs_noise.std():.4f}, {ours_noise.numel()} coordinates")
+    assert float(ours_noise.std()) == pytest.approx(1.0, rel=0.04)
+    assert float(theirs_noise.std()) == pytest.approx(1.0, rel=0.04)
+    assert abs(float(ours_noise.mean())) < 0.05
+
+
+ACCURACY_SEEDS = range(20)  # chosen from the per-seed variance, not from the gap: see the docstring below
+
+
 @pytest.mark.ondemand
-def test_accuracy_matches_opacus_over_three_seeds(tmp_path):
+def test_accuracy_matches_opacus_over_twenty_seeds(tmp_path):
+    """The issue's end-to-end check: the digits script (only its imports changed, backend
+    aot_eager) and the same script on Opacus 1.6, each run for seeds 0..19, reach mean test
+    accuracies within 2 percentage points; our epsilon stays within the target.
+
+    Why 20 seeds, not 3: one run's test accuracy (360 test digits) varies with the seed by
+    1.1-1.3 pp (standard deviation, in both libraries; seeds 0..119: mean gap -0.05 pp,
+    standard error 0.16 pp), so the mean of 3 seeds' gap has a standard deviation of about
+    1 pp and the 2 pp bound fails about 5 % of the time with no real difference (seeds 0-2
+    failed once, 2.04 pp, before our runs were keyed by the seed; seeds 3-5 then gave
+    -1.4 pp). Over 20 seeds the gap's standard deviation is about 0.4 pp and a false failure
+    has probability below 1e-6. The number of seeds was chosen from that variance, not from
+    the gap. The systematic differences are pinned down cheaply elsewhere:
+    test_paired_steps_match_opacus_on_the_script_net (the same updates once Opacus's int(q N)
+    and our C_eff are matched; ours is 0.9913 of Opacus's otherwise) and
+    test_sigma_matches_opacus_at_the_same_target_epsilon.
+
+    Seed s fixes the initial weights in both libraries (torch.manual_seed in the script) and,
+    for us, the batches and noise through ``PrivacyEngine(key=opake.random.key(s))`` (Opacus
+    draws them from the seeded global generator), so the test repeats exactly.
+    """
     pytest.importorskip("opacus")
     pytest.importorskip("sklearn")
     ours_script, theirs_script = _load_script(tmp_path, "opake"), _load_script(tmp_path, "opacus")
     ours, theirs = [], []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for seed in range(3):
-            ours.append(_train(ours_script, seed=seed))
-            theirs.append(_train(theirs_script, seed=seed))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two intra-op threads stalled these small runs (~2 s each alone) on a loaded 2-core machine
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for seed in ACCURACY_SEEDS:
+                ours_script.ENGINE_KWARGS = {"backend": BACKEND, "key": opake.random.key(seed)}
+                ours.append(_train(ours_script, seed=seed))
+                theirs.append(_train(theirs_script, seed=seed))
+    finally:
+        torch.set_num_threads(threads)
     mean = lambda rs, k: sum(float(r[k]) for r in rs) / len(rs)  # noqa: E731
+    gap = mean(ours, "accuracy") - mean(theirs, "accuracy")
+    sd = lambda rs: math.sqrt(sum((float(r["accuracy"]) - mean(rs, "accuracy")) ** 2 for r in rs) / (len(rs) - 1))  # noqa: E731
+    se = math.sqrt((sd(ours) ** 2 + sd(theirs) ** 2) / len(ours))
+    print("seed  opake   opacus")
+    for seed, a, b in zip(ACCURACY_SEEDS, ours, theirs):
+        print(f"{seed:4d}  {a['accuracy']:.4f}  {b['accuracy']:.4f}")
     print(
-        f"opake: sigma {ours[0]['sigma']:.4f} eps {mean(ours, 'epsilon'):.4f} acc {mean(ours, 'accuracy'):.4f} | "
-        f"opacus: sigma {theirs[0]['sigma']:.4f} eps {mean(theirs, 'epsilon'):.4f} acc {mean(theirs, 'accuracy'):.4f}"
+        f"opake: sigma {ours[0]['sigma']:.4f} eps {mean(ours, 'epsilon'):.4f} acc {mean(ours, 'accuracy'):.4f} (sd {sd(ours):.4f}) | "
+        f"opacus: sigma {theirs[0]['sigma']:.4f} eps {mean(theirs, 'epsilon'):.4f} acc {mean(theirs, 'accuracy'):.4f} (sd {sd(theirs):.4f}) | "
+        f"gap {gap:+.4f} (standard error {se:.4f})"
     )
     assert all(r["epsilon"] <= 3.0 * 1.001 for r in ours)
-    assert abs(mean(ours, "accuracy") - mean(theirs, "accuracy")) <= 0.02
+    assert abs(gap) <= 0.02
 
 
 # --------------------------------------------------------------- Poisson, BMM, accounting
@@ -261,6 +399,36 @@ def test_gradient_accumulation_across_draws_is_refused():
     x, y = next(it)
     with pytest.raises(UnsupportedOperationError, match="gradient accumulation over several Poisson batches"):
         criterion(pmodel(x), y).backward()
+
+
+def test_engine_key_makes_the_run_reproducible():
+    """PrivacyEngine(key=...): make_private calls without key= or noise_generator= take the
+    next child of the engine's key, so the same key gives the same draws and noise (as
+    torch.manual_seed does for Opacus's non-secure mode) and two calls differ."""
+
+    def run(engine):
+        model = _mlp(0)
+        pmodel, popt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(12), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+        )
+        sizes = []
+        for x, y in loader:
+            sizes.append(len(x))
+            F.cross_entropy(pmodel(x), y).backward()
+            popt.step()
+            popt.zero_grad()
+        return sizes, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    a, b = PrivacyEngine(backend=BACKEND, key=opake.random.key(3)), PrivacyEngine(backend=BACKEND, key=opake.random.key(3))
+    first_a, first_b = run(a), run(b)
+    assert first_a[0] == first_b[0] and torch.equal(first_a[1], first_b[1])
+    second_a = run(a)
+    assert not torch.equal(first_a[1], second_a[1])  # the next call takes the next key
+    other = run(PrivacyEngine(backend=BACKEND, key=opake.random.key(4)))
+    assert not torch.equal(first_a[1], other[1])
+    with pytest.raises(InputTypeError, match="opake_compile.random.Key"):
+        PrivacyEngine(key=3)
 
 
 # ------------------------------------------------------------------ losses that are refused

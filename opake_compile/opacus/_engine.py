@@ -632,10 +632,19 @@ class PrivacyEngine:
         accountant: ``"prv"`` (Opacus's default; here the PLD accountant of dp-accounting,
             pessimistic by construction), ``"pld"``, or ``"rdp"``.
         secure_mode: must be ``False`` (refused: see below).
+        backend: (opake_compile) the ``torch.compile`` backend of the compiled steps
+            (``"inductor"``; ``"aot_eager"`` skips code generation).
+        key: (opake_compile) an :mod:`opake_compile.random` key from which every
+            ``make_private`` call given neither ``key=`` nor ``noise_generator=`` takes the next
+            :func:`~opake_compile.random.split` child, for its sampling and noise: the run is then
+            reproducible (Opacus's non-secure mode gets that from ``torch.manual_seed``; here
+            the global torch generator is never used). Default ``None``: a fresh key from the
+            operating system's entropy for each such call.
 
     Raises:
         UnsupportedOperationError: ``secure_mode=True``; an accountant we do not have
             (``"gdp"``).
+        InputTypeError: ``key`` is not an :class:`opake_compile.random.Key`.
 
     Example::
 
@@ -646,7 +655,7 @@ class PrivacyEngine:
         >>> engine.get_epsilon(1e-5)                                     # doctest: +SKIP
     """
 
-    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, backend: Any = "inductor") -> None:
+    def __init__(self, *, accountant: str = "prv", secure_mode: bool = False, backend: Any = "inductor", key: Any = None) -> None:
         if secure_mode:
             raise _not_mapped(
                 "secure_mode (cryptographically secure noise from torchcsprng)",
@@ -658,6 +667,9 @@ class PrivacyEngine:
                 f"accountant={accountant!r}",
                 "Use accountant='prv' (mapped to PLD), 'pld' or 'rdp'.",
             )
+        if key is not None and not isinstance(key, _random.Key):
+            raise InputTypeError(f"Expected key to be an opake_compile.random.Key (from opake_compile.random.key(seed)), got {type(key).__name__}.")
+        self._key = key
         self.secure_mode = False
         self.accountant_name = accountant
         self._accountant = _acc.Accountant(_ACCOUNTANTS[accountant])
@@ -742,7 +754,7 @@ class PrivacyEngine:
             grad_sample_mode: ``"hooks"`` (per-example vector-Jacobian product of the compiled
                 model) or ``"ghost"`` (model and criterion compiled together).
             noise_generator: a ``torch.Generator``; its ``initial_seed()`` seeds the noise and
-                sampling keys (default: OS entropy).
+                sampling keys (default: the next child of the engine's ``key``, or OS entropy).
             rand_on_empty: accepted, without effect: empty batches are batches with 0 rows.
             key: (opake_compile) an :mod:`opake_compile.random` key for noise and sampling;
                 overrides ``noise_generator``.
@@ -810,7 +822,12 @@ class PrivacyEngine:
                 )
         max_grad_norm = float(max_grad_norm)
         if key is None:
-            key = _random.key(noise_generator.initial_seed()) if noise_generator is not None else _random.random_key()
+            if noise_generator is not None:
+                key = _random.key(noise_generator.initial_seed())
+            elif self._key is not None:
+                self._key, key = _random.split(self._key, 2)
+            else:
+                key = _random.random_key()
         sample_key, noise_key, step_key = _random.split(key, 3)
         n = len(data_loader.dataset)
         steps = len(data_loader)
