@@ -542,19 +542,24 @@ def _positions_batch(p: int, k: int, r: int, c: int, kind: str, seed: int) -> tu
     return x, w
 
 
+@pytest.mark.parametrize("r", [64, 2500])
 @pytest.mark.parametrize("kind", ["cancel", "aligned", "random"])
-def test_float32_gram_norms_are_never_below_the_exact_norm(kind):
+def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r):
     """Shapes where the float32 Gram form applies (fast_gram_ok): every kept example's norm is
     at least the exact norm of the gradient of its float32 inputs (computed in float64). With
-    the float32 rounding bound removed, near-cancelling examples come out below it."""
-    p, k, r, c = 48, 16, 64, 64
+    the float32 rounding bound removed, near-cancelling examples come out below it. R = 2500
+    contracts A's Gram over more than GRAM_CHUNK terms: three float32 products added in float64."""
+    p, k, c = 48, 16, 64
     lin = nn.Linear(r, c, bias=False)
     x, w = _positions_batch(p, k, r, c, kind, seed=11)
     step = compile_dp(lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum(), model=lin, clipping_norm=1.0, backend="aot_eager")
     got = step(x, w).clipped.per_example_norms.double()
     assert step.coverage["weight"] == "ghost:linear"
-    u = numerics.unit_roundoff(torch.float32, matmul=True)  # a shape the float32 form takes:
-    assert (numerics.gamma(r, u) + numerics.gamma(c, u)) * math.sqrt(k) <= _factors.FAST_GRAM_OVERCLIP
+    g_r, g_c = _factors._gram_entry_gamma(r), _factors._gram_entry_gamma(c)  # a shape the float32 form takes:
+    assert (g_r + g_c) * math.sqrt(k) <= _factors.FAST_GRAM_OVERCLIP
+    graph = next(iter(step._cache.values())).traced.gm.graph
+    products = [n for n in graph.nodes if n.target is torch.ops.aten.bmm.default]
+    assert len(products) == (4 if r > _factors.GRAM_CHUNK else 2)  # A's Gram in 1 or 3 slices, B's, the sum
     exact = torch.einsum("pkc,pkr->pcr", w.double(), x.double()).flatten(1).norm(dim=1)
     kept = torch.isfinite(got)
     assert int(kept.sum()) == p

@@ -199,7 +199,43 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
         return picked if f.onehot else em(aten.transpose.int, picked, 1, 2)
     fa = _as_dtype(em, f.a, acc)
     ga = fa if g.a is f.a else _as_dtype(em, g.a, acc)  # one cast of A for its own Gram
-    return em(aten.bmm.default, em(aten.transpose.int, fa, 1, 2), ga)
+    return _gram(em, em(aten.transpose.int, fa, 1, 2), ga, acc)
+
+
+#: The longest contraction one float32 Gram product runs over: a longer one (an LM head's
+#: vocabulary, a wide MLP) is split into products over at most this many terms, added in
+#: float64, so each entry's rounding bound is that of GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
+GRAM_CHUNK = 1024
+
+
+def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
+    """``bmm(x, y)`` for ``x`` (P, K1, n) and ``y`` (P, n, K2). In float32 with n above
+    :data:`GRAM_CHUNK`: one product per slice of at most GRAM_CHUNK of the n terms, each cast
+    to float64 (exact) and added there; the result is then float64."""
+    n = shape(x)[2]
+    if acc != torch.float32 or n <= GRAM_CHUNK:
+        return em(aten.bmm.default, x, y)
+    chunks = -(-n // GRAM_CHUNK)
+    size = -(-n // chunks)
+    total = None
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        part = em(aten.bmm.default, em(aten.slice.Tensor, x, 2, start, stop), em(aten.slice.Tensor, y, 1, start, stop))
+        part = em(aten._to_copy.default, part, dtype=NORM_DTYPE)
+        total = part if total is None else em(aten.add.Tensor, total, part)
+    return total
+
+
+def _gram_entry_gamma(n: int) -> float:
+    """The rounding bound of one float32 Gram entry over n terms, relative to
+    ``sum_i |x_i| |y_i|``: ``gamma_n`` for one product; over chunks (:func:`_gram`), each
+    chunk's ``gamma_{GRAM_CHUNK}`` plus the float64 sum of the chunks' partial values, which are
+    at most ``(1 + gamma_{GRAM_CHUNK})`` times their share of that sum."""
+    u = unit_roundoff(torch.float32, matmul=True)
+    if n <= GRAM_CHUNK:
+        return gamma(n, u)
+    g = gamma(GRAM_CHUNK, u)
+    return g + gamma(-(-n // GRAM_CHUNK), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
 
 
 #: View ops: two chains of them with the same arguments over the same node alias the same
@@ -363,14 +399,15 @@ def emit_sq_norm(
                     s_parts.append(em(aten.sqrt.default, term))
             else:
                 ga = _gram_a(em, f, g, acc)
-                gb = cached(("gram",) + b_key, lambda: em(aten.bmm.default, bs[j], em(aten.transpose.int, bs[k], 1, 2)))
+                gb = cached(("gram",) + b_key, lambda: _gram(em, bs[j], em(aten.transpose.int, bs[k], 1, 2), acc))
                 if fast:  # products of two float32 entries are exact in float64: reduce there
                     ga, gb = _as_dtype(em, ga, NORM_DTYPE), _as_dtype(em, gb, NORM_DTYPE)
                     # Frobenius norms of the computed Grams, for _bound_rounding: squares of
                     # float32 numbers are exact in float64, their sum within gamma_{K^2}(u_64).
                     fro_a = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, ga, [shape(ga)[0], -1])))
                     fro_b = cached(("fro",) + b_key, lambda: em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, gb, [shape(gb)[0], -1]))))
-                    frob_parts.append((fro_a, fro_b, 1.0 if k == j else 2.0))
+                    # A one-hot factor's Gram entries are exact (comparisons, gathers).
+                    frob_parts.append((fro_a, fro_b, 1.0 if k == j else 2.0, f.onehot or g.onehot))
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
                 if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
@@ -533,12 +570,11 @@ def _bound_rounding(
 def _gram_gammas(factors: list[Factor]) -> tuple[float, float]:
     """``(gamma_R, gamma_C)``: the rounding bounds of one float32 Gram entry of A (a dot
     product over R) and of B (over C), for the widest factor."""
-    u = unit_roundoff(torch.float32, matmul=True)
-    return gamma(max([f.rows for f in factors if not f.onehot] + [1]), u), gamma(max(f.cols for f in factors), u)
+    return _gram_entry_gamma(max([f.rows for f in factors if not f.onehot] + [1])), _gram_entry_gamma(max(f.cols for f in factors))
 
 
 def _frobenius_rounding(
-    em: Emitter, factors: list[Factor], parts: list[tuple[fx.Node, fx.Node, float]], fa: fx.Node, fb: fx.Node
+    em: Emitter, factors: list[Factor], parts: list[tuple[fx.Node, fx.Node, float, bool]], fa: fx.Node, fb: fx.Node
 ) -> fx.Node:
     """A bound on what rounding the float32 Gram matrices' entries moves the squared norm by,
     through Frobenius norms instead of ``S^2``; shape (P,), float64.
@@ -551,7 +587,8 @@ def _frobenius_rounding(
 
         |error| <= gamma_R fa ||G~_B||_F + gamma_C fb ||G~_A||_F + gamma_R gamma_C fa fb
 
-    per pair (counted twice for an off-diagonal pair), with ``3 gamma_R gamma_C fa fb`` in
+    per pair (counted twice for an off-diagonal pair; no ``gamma_R`` term where a one-hot
+    factor makes ``G_A`` exact), with ``3 gamma_R gamma_C fa fb`` in
     all, since ``(sum_j ||A^j|| ||B^j||)^2 <= fa fb``. When positions do not line up,
     ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about ``(gamma_R + gamma_C) sqrt(K)`` of
     an ordinary squared norm against ``(gamma_R + gamma_C) K`` for the ``S^2`` form; when
@@ -559,9 +596,10 @@ def _frobenius_rounding(
     at most K^2 exact squares, a few products) is covered by the factor 1.001."""
     g_r, g_c = _gram_gammas(factors)
     total = em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fb), 3.0 * g_r * g_c)
-    for fro_a, fro_b, mult in parts:
-        term = em(aten.add.Tensor, em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fro_b), g_r),
-                  em(aten.mul.Tensor, em(aten.mul.Tensor, fb, fro_a), g_c))
+    for fro_a, fro_b, mult, a_exact in parts:
+        term = em(aten.mul.Tensor, em(aten.mul.Tensor, fb, fro_a), g_c)
+        if not a_exact:
+            term = em(aten.add.Tensor, em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fro_b), g_r), term)
         total = em(aten.add.Tensor, total, em(aten.mul.Tensor, term, mult))
     return em(aten.mul.Tensor, total, 1.001)
 
