@@ -6,6 +6,8 @@ real ``F.ctc_loss`` one example at a time.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -198,7 +200,7 @@ def test_wav2vec2_ctc_with_labels_matches_microbatch_oracle() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
     bad = args[2].clone()
     bad[1, 0] = model.config.vocab_size
-    with pytest.raises(Exception, match="index"):
+    with pytest.raises(opake.exceptions.ConfigurationError, match="vocab_size"):
         step(args[0], args[1], bad)
     assert step.num_traces == 1
     # Under an eager vmap with the same adjustments (opake.verify's reference) the values are
@@ -231,3 +233,43 @@ def test_default_config_ctc_model_trains_with_its_labels(family: str) -> None:
     step.load_state_dict(saved)
     again = step(*args).clipped
     assert all(torch.equal(again.grads[k], first.grads[k]) for k in first.grads)
+
+
+def test_out_of_vocabulary_label_is_refused_before_the_step_runs() -> None:
+    """transformers' label check (``labels.max() >= config.vocab_size``), skipped inside the
+    graph, runs on the real labels before the step: randomness on (LayerDrop, SpecAugment,
+    dropout: the step's key moves), two chunks with the bad label in the second, a
+    ``DPOptimizer``. The refusal names the model, the value and the vocabulary size and changes
+    nothing (parameters, the step's key and sizes, the optimizer, the global generator); an
+    in-vocabulary batch afterwards trains exactly as if the refused one had never come."""
+    model = _ctc_model("wav2vec2")
+    step = opake.compile_dp(
+        _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
+    )
+    sampler = opake.PoissonSampler(B, 0.5, key=opake.random.key(4))
+    opt = opake.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(5))
+    x, mask, labels = _speech_batch()
+    vocab = model.config.vocab_size
+    bad = labels.clone()
+    bad[4, 0] = vocab + 2  # the second chunk (rows 3..4): the first chunk passes its check
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    step_state, opt_state, rng = step.state_dict(), copy.deepcopy(opt.state_dict()), torch.random.get_rng_state()
+    for _ in range(2):  # the first call traces, the second runs the cached graph
+        with pytest.raises(opake.exceptions.ConfigurationError, match=rf"Wav2Vec2ForCTC: label value {vocab + 2} in example 4 .*vocab_size = {vocab}"):
+            step(x, mask, bad)
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert step.state_dict() == step_state and step.num_calls == 0
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert opt.state_dict().keys() == opt_state.keys() and opt.steps == 0
+    # The refused batch left nothing behind: an in-vocabulary batch trains as on a fresh step.
+    fresh = opake.compile_dp(
+        _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
+    )
+    want = fresh(x, mask, labels).clipped
+    got = step(x, mask, labels).clipped
+    assert all(torch.equal(got.grads[k], want.grads[k]) for k in want.grads)
+    opt.step(got)
+    assert opt.steps == 1 and not torch.equal(model.lm_head.weight, params["lm_head.weight"])
+    edge = labels.clone()
+    edge[4, 0] = vocab - 1  # the largest label in the vocabulary passes
+    assert bool(torch.isfinite(step(x, mask, edge).clipped.grads["lm_head.weight"]).all())

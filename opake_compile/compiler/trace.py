@@ -36,6 +36,7 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile import patches as _patches
+from opake_compile.compiler import _input_checks
 from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
@@ -71,6 +72,8 @@ class TracedGraph:
     layout: InputLayout
     param_shapes: dict[str, tuple[int, ...]]
     has_randomness: bool
+    # Checks on the real batch, run before the graph (see opake_compile.compiler._input_checks).
+    input_checks: tuple[_input_checks.InputCheck, ...] = ()
 
 
 class _LossModule(nn.Module):
@@ -320,7 +323,8 @@ def trace_per_example_grads(
     extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
     try:
         # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
-        with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws):
+        with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws), \
+                _input_checks.recording() as recorder:
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
             )
@@ -335,6 +339,9 @@ def trace_per_example_grads(
             "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
+    first_leaf = n_tr + n_ot + 2
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_checks = recorder.build(gm, placeholders[first_leaf : first_leaf + len(tensor_leaves)])
     gm.graph.eliminate_dead_code()
     relax_stride_assumptions(gm)
     gm.recompile()
@@ -345,4 +352,4 @@ def trace_per_example_grads(
         for n in gm.graph.nodes
     )
     shapes = {n: tuple(named[n].shape) for n in trainable}
-    return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random)
+    return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random, input_checks=input_checks)
