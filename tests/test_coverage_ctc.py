@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import opake_compile as opake
 from _models import loop_reference, seeded
-from opake_compile._ctc import ctc_loss
+from opake_compile._ctc import ctc_loss as _ctc_loss
 
 B, P = 5, 3
 
@@ -44,14 +44,20 @@ def _case(seed: int, dtype: torch.dtype) -> tuple:
     return logits, targets, input_lengths, target_lengths
 
 
+@pytest.mark.parametrize("impl", ["kernel", "recursion"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", range(6))
-def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype) -> None:
-    """Values for every reduction and ``zero_infinity``; gradients with respect to the logits
-    (through ``log_softmax``) where PyTorch's are finite; padded, concatenated and unbatched
-    target forms; ``torch.ctc_loss`` and ``F.ctc_loss`` routed while tracing."""
+def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype, impl: str) -> None:
+    """Both implementations (PyTorch's kernel through ``opake::ctc_nll``, the default, and the
+    unrolled recursion): values for every reduction and ``zero_infinity``; gradients with
+    respect to the logits (through ``log_softmax``) where PyTorch's are finite, and finite
+    everywhere; padded, concatenated and unbatched target forms; ``torch.ctc_loss`` and
+    ``F.ctc_loss`` routed while tracing."""
+    from functools import partial
+
     from opake_compile.patches import _TraceableCTC
 
+    ctc_loss = partial(_ctc_loss, impl=impl)
     logits, targets, il, tl = _case(seed, dtype)
     rtol = 1e-5 if dtype == torch.float32 else 1e-10
     concatenated = torch.cat([targets[i, : tl[i]] for i in range(len(tl))])
@@ -87,15 +93,67 @@ def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype) -> None:
     assert torch.allclose(routed, losses, rtol=rtol, equal_nan=True) and torch.allclose(routed_f, losses, rtol=rtol, equal_nan=True)
 
 
-def test_impossible_alignment_has_zero_gradient() -> None:
+@pytest.mark.parametrize("impl", ["kernel", "recursion"])
+def test_impossible_alignment_has_zero_gradient(impl: str) -> None:
     """``zero_infinity=False``: +inf with a zero (not NaN) gradient; the other examples' gradients
     are untouched."""
     logits, targets, il, tl = _case(0, torch.float64)
     x = logits.clone().requires_grad_()
-    loss = ctc_loss(x.log_softmax(-1), targets, il, tl, reduction="none")
+    loss = _ctc_loss(x.log_softmax(-1), targets, il, tl, reduction="none", impl=impl)
     assert loss[2] == float("inf")
     (g,) = torch.autograd.grad(loss[2] + loss[3], x)
     assert torch.equal(g[:, 2], torch.zeros_like(g[:, 2])) and float(g[:, 3].abs().max()) > 0
+
+
+def _per_example(impl: str, zero_infinity: bool):  # noqa: ANN202
+    """``vmap(grad_and_value)`` of one sequence's loss (mean reduction) with respect to its logits."""
+
+    def loss(lg: torch.Tensor, y: torch.Tensor, il: torch.Tensor, tl: torch.Tensor) -> torch.Tensor:
+        lp = lg[:, None].log_softmax(-1)
+        return _ctc_loss(lp, y[None], il[None], tl[None], reduction="mean", zero_infinity=zero_infinity, impl=impl)
+
+    return torch.func.vmap(torch.func.grad_and_value(loss), in_dims=(1, 0, 0, 0), out_dims=(1, 0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_under_vmap_grad_equals_recursion(seed: int) -> None:
+    """Per-example losses and gradients (float64) of the kernel path under ``vmap(grad)`` (the
+    vmap rules of ``opake::ctc_nll`` and its backward) equal the recursion's on the hostile
+    cases. Sequences the kernel cannot take (a class index outside [0, C), an input length
+    outside [0, T]) get a NaN loss and gradient, alone: the others are unchanged."""
+    logits, targets, il, tl = _case(seed, torch.float64)
+    for zero_infinity in (False, True):
+        gk, lk = _per_example("kernel", zero_infinity)(logits, targets, il, tl)
+        gr, lr = _per_example("recursion", zero_infinity)(logits, targets, il, tl)
+        assert torch.allclose(lk, lr, rtol=1e-10, atol=0), (lk, lr)
+        assert bool(torch.isfinite(gk).all()) and torch.allclose(gk, gr, rtol=1e-8, atol=1e-12)
+    bad_y, bad_il = targets.clone(), il.clone()
+    bad_y[4, 0] = logits.shape[-1] + 3
+    tl = tl.clone()
+    tl[4] = max(int(tl[4]), 1)
+    bad_il[5] = -3
+    gk, lk = _per_example("kernel", True)(logits, bad_y, bad_il, tl)
+    gr, lr = _per_example("recursion", True)(logits, targets, il, tl)
+    assert bool(lk[4:].isnan().all()) and bool(gk[:, 4:].isnan().all())
+    assert torch.allclose(lk[:4], lr[:4], rtol=1e-10) and torch.allclose(gk[:, :4], gr[:, :4], rtol=1e-8, atol=1e-12)
+
+
+def test_kernel_graph_does_not_grow_with_frames() -> None:
+    """Traced ``vmap(grad)`` of the loss: the kernel path is one ``opake::ctc_nll`` and one
+    ``opake::ctc_nll_backward`` node for the whole batch and the same graph size at 8 and 64
+    frames; the recursion grows with the frames."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def nodes(impl: str, t: int) -> list:
+        logits = torch.randn(t, 4, 6)
+        y, il, tl = torch.randint(1, 6, (4, 3)), torch.full((4,), t), torch.full((4,), 3)
+        gm = make_fx(_per_example(impl, True), tracing_mode="fake")(logits, y, il, tl)
+        return [str(n.target) for n in gm.graph.nodes]
+
+    short, long = nodes("kernel", 8), nodes("kernel", 64)
+    assert len(short) == len(long) and short.count("opake.ctc_nll.default") == 1
+    assert short.count("opake.ctc_nll_backward.default") == 1
+    assert len(nodes("recursion", 16)) > len(nodes("recursion", 8)) + 100
 
 
 # ----------------------------------------------------------------------------- in a model
@@ -132,6 +190,20 @@ def test_user_loss_with_f_ctc_loss_matches_microbatch_oracle() -> None:
     for k in want:
         assert torch.allclose(got.clipped.grads[k].double(), want[k], rtol=1e-5, atol=1e-6 * c)
     assert torch.allclose(got.clipped.per_example_norms.double(), norms, rtol=1e-5)
+    graph = next(iter(step._cache.values())).traced.gm.graph  # the kernel path, not the recursion
+    assert [str(n.target) for n in graph.nodes].count("opake.ctc_nll.default") == 1
+    # What the eager kernel refuses (or reads out of bounds) is refused on the real rows before
+    # the step runs: a class index outside [0, C), a length outside its range.
+    bad_y, bad_il = y.clone(), il.clone()
+    bad_y[3, 1] = 7  # within example 3's target length (3): C = 5 classes
+    with pytest.raises(opake.exceptions.ConfigurationError, match=r"target class 7 in example 3 .*\[0, 4\]"):
+        step(x, bad_y, il, tl)
+    bad_y[3, 1], bad_y[3, 3] = 1, 7  # past example 3's target length: ignored, as by the kernel
+    step(x, bad_y, il, tl)
+    bad_il[4] = t + 1
+    with pytest.raises(opake.exceptions.ConfigurationError, match=rf"input length {t + 1} in example 4 .*\[0, {t}\]"):
+        step(x, y, bad_il, tl)
+    assert step.num_calls == 2 and step.num_traces == 1
 
 
 # ----------------------------------------------------------------------------- transformers
