@@ -1,12 +1,23 @@
-"""Connectionist temporal classification loss as plain tensor operations (no data-dependent
-shapes, no host values), so it traces into a static graph and batches under ``vmap``.
+"""Connectionist temporal classification loss in a form that traces into a static graph and
+batches under ``vmap``.
 
-``torch.nn.functional.ctc_loss`` cannot be traced by ``make_fx`` (its kernel's output shape
-depends on the target lengths' values) and has no ``vmap`` batching rule; while
-:func:`~opake_compile.compile_dp` traces, :mod:`opake_compile.patches` routes it here. The
-recursion is the forward ("alpha") recursion of Graves et al. 2006, "Connectionist Temporal
-Classification: Labelling Unsegmented Sequence Data with Recurrent Neural Networks", §4.1, in
-log space; gradients come from autograd through it.
+``torch.nn.functional.ctc_loss`` cannot be traced by ``make_fx`` (its kernel's ``log_alpha``
+output has a shape that depends on the target lengths' values) and has no ``vmap`` batching
+rule; while :func:`~opake_compile.compile_dp` traces, :mod:`opake_compile.patches` routes it
+here. Two implementations of the same values:
+
+- ``"kernel"`` (the default where it applies: float32/float64 on CPU or CUDA): PyTorch's own
+  ``aten::_ctc_loss`` and ``aten::_ctc_loss_backward`` wrapped as the custom ops
+  ``opake::ctc_nll`` and ``opake::ctc_nll_backward``, whose outputs have static shapes and whose
+  vmap rules fold the vmapped dimension into the kernel's batch: under ``vmap(grad(...))`` a
+  batch is one kernel call forward and one backward, whatever the number of frames ``T``
+  (Inductor calls them as external kernels). Gradients are the kernel's (which are correct
+  through a ``log_softmax``, as PyTorch's are), with its non-finite cases made 0 (below).
+- ``"recursion"``: the forward ("alpha") recursion of Graves et al. 2006, "Connectionist
+  Temporal Classification: Labelling Unsegmented Sequence Data with Recurrent Neural
+  Networks", §4.1, in log space, unrolled over the ``T`` frames (about 40 graph nodes per frame
+  with its gradient); gradients from autograd through it. Used where the kernel does not apply
+  (other dtypes or devices, ``T = 0``).
 """
 
 from __future__ import annotations
@@ -92,19 +103,25 @@ def ctc_loss(
             its target length, at least 1, then the mean over the batch).
         zero_infinity: replace infinite losses (no alignment of the target fits the input
             length) and their gradients by 0.
+        impl: ``"kernel"``, ``"recursion"`` or ``"auto"`` (the kernel where it applies; see
+            the module docstring).
 
     Returns:
         The negative log-likelihood, in nats, reduced as asked (a scalar, or ``(N,)``).
 
-    Edge cases: an impossible alignment gives ``+inf`` (0 with ``zero_infinity``) and a zero
-    gradient (PyTorch's kernel gives a non-finite one there); a target of length 0 is the
-    all-blank path; repeated labels need a blank between them. Lengths stay tensors: the
-    recursion runs ``T`` steps (``T`` is static), each sequence frozen after its own input
-    length, so the graph holds ``O(T)`` operations of size ``(N, 2S+1)``.
+    Edge cases (both implementations): an impossible alignment gives ``+inf`` (0 with
+    ``zero_infinity``) and a zero gradient (PyTorch's kernel gives a non-finite one there
+    unless ``zero_infinity``); a log-probability of ``-inf`` gets a zero gradient (the kernel's
+    is NaN); a target of length 0 is the all-blank path; repeated labels need a blank between
+    them. Lengths stay tensors. Values the eager kernel refuses or cannot read (a class index
+    outside ``[0, C)``, an input length outside ``[0, T]``, a target length outside
+    ``[0, S]``): while ``compile_dp`` traces, checks of the real rows are registered with the
+    step (:mod:`opake_compile.compiler._input_checks`), which refuses such a batch before it
+    runs; otherwise (a padded row, an unbatched call) the kernel path gives that sequence a NaN
+    loss and gradient, and the recursion an index error (class) or 0 / ``+inf`` (lengths).
 
     Raises:
-        ValueError: an unknown ``reduction``. Class indices outside ``[0, C)`` fail in the
-            gather (an index error, as indexing does).
+        ValueError: an unknown ``reduction`` or ``impl``.
 
     Example::
 

@@ -55,11 +55,13 @@ returns or raises):
    ``ctc_loss`` kernel cannot be traced (its output shape depends on the target lengths'
    values) and has no ``vmap`` rule. While tracing, ``torch.nn.functional.ctc_loss`` and
    ``torch.ctc_loss`` are routed (a ``TorchFunctionMode``) to :func:`opake_compile._ctc.ctc_loss`:
-   the forward recursion in log space over the blank-interleaved targets, with the kernel's
-   values (``blank``, ``reduction``, ``zero_infinity``; padded or concatenated targets) and
-   autograd's gradients, lengths kept as tensors. It is unrolled over the ``T`` frames (``T``
-   is static): about 40 graph nodes per frame with its gradient (about 2,000 at ``T = 50`` and
-   7,700 at ``T = 200``), so long utterances make large graphs. transformers' ``ForCTCLoss``
+   PyTorch's own kernel wrapped as custom ops with static output shapes and vmap rules (one
+   kernel call per batch; the graph does not grow with the number of frames ``T``), or where
+   it does not apply the forward recursion in log space unrolled over the frames (about 40
+   graph nodes per frame); the kernel's values (``blank``, ``reduction``, ``zero_infinity``;
+   padded or concatenated targets), lengths kept as tensors. What the eager kernel checks
+   (class indices, lengths) is checked on the real batch before the step runs
+   (:mod:`opake_compile.compiler._input_checks`). transformers' ``ForCTCLoss``
    (``model.loss_function`` of the ``*ForCTC`` heads) flattens the labels with a
    data-dependent ``masked_select``; the recognised code is replaced in ``LOSS_MAPPING`` by one
    that moves each row's kept labels to its front with a stable sort (the same targets, at a

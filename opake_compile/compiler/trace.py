@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -342,6 +343,12 @@ def trace_per_example_grads(
     first_leaf = n_tr + n_ot + 2
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_checks = recorder.build(gm, placeholders[first_leaf : first_leaf + len(tensor_leaves)])
+    for what in recorder.dropped:
+        warnings.warn(
+            f"compile_dp cannot check {what} on the real batch before the step runs (the checked "
+            "value depends on more than the batch arguments); such a batch fails inside the step instead.",
+            stacklevel=3,
+        )
     gm.graph.eliminate_dead_code()
     relax_stride_assumptions(gm)
     gm.recompile()
