@@ -69,3 +69,24 @@ def test_check_on_a_value_that_depends_on_parameters_is_dropped_with_a_warning()
     with pytest.warns(UserWarning, match="cannot check the model's outputs"):
         step(torch.randn(4, 3, generator=seeded(2)))
     assert next(iter(step._cache.values())).traced.input_checks == ()
+
+
+def test_value_batched_along_another_dimension_is_checked_rows_first() -> None:
+    """The recorded value is the physical tensor under ``vmap``; when its batch dimension is not
+    the first (here ``in_dims=1``) the check still sees one row per example."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opake_compile.compiler import _input_checks
+
+    def f(w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        def inner(w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            assert require(y, lambda rows, first: repr(rows.tolist()), "y")
+            return (w * y.float()).sum()
+
+        return torch.func.vmap(torch.func.grad(inner), in_dims=(None, 1))(w, y)
+
+    y = torch.arange(12).reshape(3, 4)
+    with _input_checks.recording() as rec:
+        gm = make_fx(f, tracing_mode="fake")(torch.randn(3), y)
+    (check,) = rec.build(gm, [n for n in gm.graph.nodes if n.op == "placeholder"][1:])
+    assert check.run([y], 2, 0) == repr(y.t()[:2].tolist())

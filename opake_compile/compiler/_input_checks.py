@@ -59,7 +59,7 @@ class InputCheckRecorder:
     """Collects :func:`require` calls during one trace (see :func:`recording`)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[fx.Node, Test, str]] = []
+        self._pending: list[tuple[fx.Node, int, Test, str]] = []
         self.dropped: list[str] = []
 
     def build(self, gm: fx.GraphModule, leaf_placeholders: Sequence[fx.Node]) -> tuple[InputCheck, ...]:
@@ -68,8 +68,8 @@ class InputCheckRecorder:
         is dropped."""
         allowed = set(leaf_placeholders)
         checks = []
-        for node, test, what in self._pending:
-            value = _extract(gm, node, leaf_placeholders, allowed)
+        for node, bdim, test, what in self._pending:
+            value = _extract(gm, node, bdim, leaf_placeholders, allowed)
             if value is None:
                 self.dropped.append(what)
             else:
@@ -121,19 +121,19 @@ def require(value: torch.Tensor, test: Test, what: str) -> bool:
         t = ft.get_unwrapped(t)
     if len(bdims) != 1 or bdims[0] < 0:
         return False
-    rows_first = t.movedim(bdims[0], 0) if bdims[0] != 0 else t  # traced: a view in the graph
-    slot = get_proxy_slot(rows_first, mode.tracer, None)
+    slot = get_proxy_slot(t, mode.tracer, None)
     if slot is None:
         return False
-    _ACTIVE[-1]._pending.append((slot.proxy.node, test, what))
+    _ACTIVE[-1]._pending.append((slot.proxy.node, bdims[0], test, what))
     return True
 
 
 def _extract(
-    gm: fx.GraphModule, target: fx.Node, leaves: Sequence[fx.Node], allowed: set[fx.Node]
+    gm: fx.GraphModule, target: fx.Node, bdim: int, leaves: Sequence[fx.Node], allowed: set[fx.Node]
 ) -> fx.GraphModule | None:
-    """The subgraph of ``gm`` computing ``target`` from ``leaves``, as a module taking all of
-    ``leaves`` in order; None if it needs another placeholder or holds a random op."""
+    """The subgraph of ``gm`` computing ``target`` from ``leaves``, its dimension ``bdim`` moved
+    first, as a module taking all of ``leaves`` in order; None if it needs another placeholder
+    or holds a random op."""
     needed: set[fx.Node] = set()
     stack = [target]
     while stack:
@@ -158,5 +158,8 @@ def _extract(
     for n in gm.graph.nodes:  # topological order
         if n in needed and n.op != "placeholder":
             env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[target])
+    out = env[target]
+    if bdim != 0:
+        out = graph.call_function(torch.ops.aten.movedim.int, (out, bdim, 0))
+    graph.output(out)
     return fx.GraphModule(gm, graph)
