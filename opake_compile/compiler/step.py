@@ -19,6 +19,11 @@ Why buckets rather than a symbolic batch dimension: under ``vmap`` the backward 
 ``dynamic=True``), and the rewrite passes read static sizes from ``node.meta['val']``; buckets
 keep every graph static and every pass unchanged.
 
+Checks on input values that the traced graph cannot make (a label outside the vocabulary, a
+CTC length out of range; see :mod:`opake_compile.compiler._input_checks`) run on the real rows
+of every chunk before any chunk's graph runs or the step's key is split: a refused batch raises
+a ``ConfigurationError`` and changes nothing.
+
 Privacy of the sizes: which bucket a batch uses is a function of its realised size, which
 ``ClippedPytree.num_examples`` already returns and documents as *not privatised* (as are the
 chunk count and the step's running time, which already depended on it). The released value,

@@ -19,6 +19,11 @@ is adjusted while tracing: data-inspecting shortcuts, in-place masked writes, Sp
 and returns ``(per_example_losses (P,), G_1 (P, *shape_1), ..., G_k (P, *shape_k))``: one
 materialised per-example gradient per trainable parameter. The pass stage
 (:mod:`opake_compile.compiler.passes`) turns these into a clipped sum.
+
+Checks that library code makes on input values in Python (transformers' CTC label check, the
+CTC kernel's range checks) cannot run in the graph; patched code registers them while tracing
+(:mod:`opake_compile.compiler._input_checks`) and :attr:`TracedGraph.input_checks` carries them
+to the step, which runs them on the real batch first.
 """
 
 from __future__ import annotations
