@@ -168,7 +168,7 @@ def _wav2vec2(size: str):
     )
     model = transformers.Wav2Vec2ForCTC(cfg)
     # Frames after the feature encoder: 19 (tiny, 200 samples) and 199 (bench, 4000 samples,
-    # a quarter second at 16 kHz). CTC's recursion is unrolled over the frames in the graph.
+    # a quarter second at 16 kHz). CTC is one kernel call per batch (its graph does not grow with T).
     t = 200 if tiny else 4000
     width = 4 if tiny else 24
 

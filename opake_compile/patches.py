@@ -55,11 +55,13 @@ returns or raises):
    ``ctc_loss`` kernel cannot be traced (its output shape depends on the target lengths'
    values) and has no ``vmap`` rule. While tracing, ``torch.nn.functional.ctc_loss`` and
    ``torch.ctc_loss`` are routed (a ``TorchFunctionMode``) to :func:`opake_compile._ctc.ctc_loss`:
-   the forward recursion in log space over the blank-interleaved targets, with the kernel's
-   values (``blank``, ``reduction``, ``zero_infinity``; padded or concatenated targets) and
-   autograd's gradients, lengths kept as tensors. It is unrolled over the ``T`` frames (``T``
-   is static): about 40 graph nodes per frame with its gradient (about 2,000 at ``T = 50`` and
-   7,700 at ``T = 200``), so long utterances make large graphs. transformers' ``ForCTCLoss``
+   PyTorch's own kernel wrapped as custom ops with static output shapes and vmap rules (one
+   kernel call per batch; the graph does not grow with the number of frames ``T``), or where
+   it does not apply the forward recursion in log space unrolled over the frames (about 40
+   graph nodes per frame); the kernel's values (``blank``, ``reduction``, ``zero_infinity``;
+   padded or concatenated targets), lengths kept as tensors. What the eager kernel checks
+   (class indices, lengths) is checked on the real batch before the step runs
+   (:mod:`opake_compile.compiler._input_checks`). transformers' ``ForCTCLoss``
    (``model.loss_function`` of the ``*ForCTC`` heads) flattens the labels with a
    data-dependent ``masked_select``; the recognised code is replaced in ``LOSS_MAPPING`` by one
    that moves each row's kept labels to its front with a stable sort (the same targets, at a
@@ -69,8 +71,10 @@ returns or raises):
    model without labels when they are batched and builds the loss from the logits exactly as
    transformers does. Under an eager ``vmap`` (``opake.verify``'s reference) the labels' values
    are real and transformers' check runs on the whole batch; in the traced graph they are not,
-   and a label outside the vocabulary fails in the loss's gather when the step runs (an index
-   error); validating labels in the data pipeline reports it earlier.
+   so the check is registered with the compiled step instead, which runs it on the real labels
+   of every chunk before anything runs (:mod:`opake_compile.compiler._input_checks`): a label
+   ``>= config.vocab_size`` is refused with a ``ConfigurationError`` naming the model, the
+   value and the vocabulary size, and nothing changes.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -702,13 +706,34 @@ def _is_ctc_head(cls: type) -> bool:
     return _CTC_HEAD_KIND[cls]
 
 
+def _label_check(model: str, vocab_size: int) -> Callable[[torch.Tensor, int], str | None]:
+    """transformers' ``labels.max() >= config.vocab_size`` test on real label rows, as an input
+    check of the compiled step (:func:`opake_compile.compiler._input_checks.require`)."""
+
+    def test(rows: torch.Tensor, first_row: int) -> str | None:
+        if rows.numel() == 0:
+            return None
+        flat = rows.reshape(rows.shape[0], -1)
+        worst = flat.max(dim=1).values
+        if not bool((worst >= vocab_size).any()):
+            return None
+        row = int(torch.argmax((worst >= vocab_size).to(torch.int8)))
+        return (
+            f"{model}: label value {int(worst[row])} in example {first_row + row} of the batch is outside "
+            f"the vocabulary (labels must be < config.vocab_size = {vocab_size}, or -100 for padding)."
+        )
+
+    return test
+
+
 def _ctc_head_forward(mod: nn.Module) -> Callable[..., Any]:
     """A recognised ``*ForCTC.forward`` whose label check is skipped when the labels are batched
     by ``vmap`` (their values are per example: a Python ``if`` on them cannot be traced). The
     model runs without labels and the loss is built from its logits exactly as transformers
     does (input lengths from the attention mask, ``self.loss_function`` with the config's blank,
-    reduction and ``zero_infinity``). A label outside the vocabulary still fails, in the CTC
-    loss's gather (an index error); validate labels in the data pipeline to fail earlier."""
+    reduction and ``zero_infinity``). transformers' label check is registered as an input check
+    of the compiled step (:mod:`opake_compile.compiler._input_checks`): a batch with a label
+    ``>= config.vocab_size`` is refused with a ``ConfigurationError`` before the step runs."""
     forward = mod.forward
 
     def ctc_forward(input_values: Any = None, attention_mask: Any = None, labels: Any = None, **kwargs: Any) -> Any:
@@ -718,6 +743,11 @@ def _ctc_head_forward(mod: nn.Module) -> Callable[..., Any]:
         if not is_fake(whole) and bool(whole.max() >= mod.config.vocab_size):
             # Real values under an eager ``vmap`` (``opake.verify``): transformers' check, on the batch.
             raise ValueError(f"Label values must be <= vocab_size: {mod.config.vocab_size}")
+        if is_fake(whole):
+            # Traced: the compiled step runs transformers' check on the real labels first.
+            from opake_compile.compiler._input_checks import require
+
+            require(labels, _label_check(type(mod).__name__, int(mod.config.vocab_size)), "labels < config.vocab_size")
         out = forward(input_values, attention_mask=attention_mask, **kwargs)
         logits = out.logits if not isinstance(out, tuple) else out[0]
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_values, dtype=torch.long)

@@ -6,6 +6,8 @@ real ``F.ctc_loss`` one example at a time.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 
 import opake_compile as opake
 from _models import loop_reference, seeded
-from opake_compile._ctc import ctc_loss
+from opake_compile._ctc import ctc_loss as _ctc_loss
 
 B, P = 5, 3
 
@@ -42,14 +44,20 @@ def _case(seed: int, dtype: torch.dtype) -> tuple:
     return logits, targets, input_lengths, target_lengths
 
 
+@pytest.mark.parametrize("impl", ["kernel", "recursion"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", range(6))
-def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype) -> None:
-    """Values for every reduction and ``zero_infinity``; gradients with respect to the logits
-    (through ``log_softmax``) where PyTorch's are finite; padded, concatenated and unbatched
-    target forms; ``torch.ctc_loss`` and ``F.ctc_loss`` routed while tracing."""
+def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype, impl: str) -> None:
+    """Both implementations (PyTorch's kernel through ``opake::ctc_nll``, the default, and the
+    unrolled recursion): values for every reduction and ``zero_infinity``; gradients with
+    respect to the logits (through ``log_softmax``) where PyTorch's are finite, and finite
+    everywhere; padded, concatenated and unbatched target forms; ``torch.ctc_loss`` and
+    ``F.ctc_loss`` routed while tracing."""
+    from functools import partial
+
     from opake_compile.patches import _TraceableCTC
 
+    ctc_loss = partial(_ctc_loss, impl=impl)
     logits, targets, il, tl = _case(seed, dtype)
     rtol = 1e-5 if dtype == torch.float32 else 1e-10
     concatenated = torch.cat([targets[i, : tl[i]] for i in range(len(tl))])
@@ -85,15 +93,67 @@ def test_ctc_loss_equals_torch_kernel(seed: int, dtype: torch.dtype) -> None:
     assert torch.allclose(routed, losses, rtol=rtol, equal_nan=True) and torch.allclose(routed_f, losses, rtol=rtol, equal_nan=True)
 
 
-def test_impossible_alignment_has_zero_gradient() -> None:
+@pytest.mark.parametrize("impl", ["kernel", "recursion"])
+def test_impossible_alignment_has_zero_gradient(impl: str) -> None:
     """``zero_infinity=False``: +inf with a zero (not NaN) gradient; the other examples' gradients
     are untouched."""
     logits, targets, il, tl = _case(0, torch.float64)
     x = logits.clone().requires_grad_()
-    loss = ctc_loss(x.log_softmax(-1), targets, il, tl, reduction="none")
+    loss = _ctc_loss(x.log_softmax(-1), targets, il, tl, reduction="none", impl=impl)
     assert loss[2] == float("inf")
     (g,) = torch.autograd.grad(loss[2] + loss[3], x)
     assert torch.equal(g[:, 2], torch.zeros_like(g[:, 2])) and float(g[:, 3].abs().max()) > 0
+
+
+def _per_example(impl: str, zero_infinity: bool):  # noqa: ANN202
+    """``vmap(grad_and_value)`` of one sequence's loss (mean reduction) with respect to its logits."""
+
+    def loss(lg: torch.Tensor, y: torch.Tensor, il: torch.Tensor, tl: torch.Tensor) -> torch.Tensor:
+        lp = lg[:, None].log_softmax(-1)
+        return _ctc_loss(lp, y[None], il[None], tl[None], reduction="mean", zero_infinity=zero_infinity, impl=impl)
+
+    return torch.func.vmap(torch.func.grad_and_value(loss), in_dims=(1, 0, 0, 0), out_dims=(1, 0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kernel_under_vmap_grad_equals_recursion(seed: int) -> None:
+    """Per-example losses and gradients (float64) of the kernel path under ``vmap(grad)`` (the
+    vmap rules of ``opake::ctc_nll`` and its backward) equal the recursion's on the hostile
+    cases. Sequences the kernel cannot take (a class index outside [0, C), an input length
+    outside [0, T]) get a NaN loss and gradient, alone: the others are unchanged."""
+    logits, targets, il, tl = _case(seed, torch.float64)
+    for zero_infinity in (False, True):
+        gk, lk = _per_example("kernel", zero_infinity)(logits, targets, il, tl)
+        gr, lr = _per_example("recursion", zero_infinity)(logits, targets, il, tl)
+        assert torch.allclose(lk, lr, rtol=1e-10, atol=0), (lk, lr)
+        assert bool(torch.isfinite(gk).all()) and torch.allclose(gk, gr, rtol=1e-8, atol=1e-12)
+    bad_y, bad_il = targets.clone(), il.clone()
+    bad_y[4, 0] = logits.shape[-1] + 3
+    tl = tl.clone()
+    tl[4] = max(int(tl[4]), 1)
+    bad_il[5] = -3
+    gk, lk = _per_example("kernel", True)(logits, bad_y, bad_il, tl)
+    gr, lr = _per_example("recursion", True)(logits, targets, il, tl)
+    assert bool(lk[4:].isnan().all()) and bool(gk[:, 4:].isnan().all())
+    assert torch.allclose(lk[:4], lr[:4], rtol=1e-10) and torch.allclose(gk[:, :4], gr[:, :4], rtol=1e-8, atol=1e-12)
+
+
+def test_kernel_graph_does_not_grow_with_frames() -> None:
+    """Traced ``vmap(grad)`` of the loss: the kernel path is one ``opake::ctc_nll`` and one
+    ``opake::ctc_nll_backward`` node for the whole batch and the same graph size at 8 and 64
+    frames; the recursion grows with the frames."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def nodes(impl: str, t: int) -> list:
+        logits = torch.randn(t, 4, 6)
+        y, il, tl = torch.randint(1, 6, (4, 3)), torch.full((4,), t), torch.full((4,), 3)
+        gm = make_fx(_per_example(impl, True), tracing_mode="fake")(logits, y, il, tl)
+        return [str(n.target) for n in gm.graph.nodes]
+
+    short, long = nodes("kernel", 8), nodes("kernel", 64)
+    assert len(short) == len(long) and short.count("opake.ctc_nll.default") == 1
+    assert short.count("opake.ctc_nll_backward.default") == 1
+    assert len(nodes("recursion", 16)) > len(nodes("recursion", 8)) + 100
 
 
 # ----------------------------------------------------------------------------- in a model
@@ -130,6 +190,20 @@ def test_user_loss_with_f_ctc_loss_matches_microbatch_oracle() -> None:
     for k in want:
         assert torch.allclose(got.clipped.grads[k].double(), want[k], rtol=1e-5, atol=1e-6 * c)
     assert torch.allclose(got.clipped.per_example_norms.double(), norms, rtol=1e-5)
+    graph = next(iter(step._cache.values())).traced.gm.graph  # the kernel path, not the recursion
+    assert [str(n.target) for n in graph.nodes].count("opake.ctc_nll.default") == 1
+    # What the eager kernel refuses (or reads out of bounds) is refused on the real rows before
+    # the step runs: a class index outside [0, C), a length outside its range.
+    bad_y, bad_il = y.clone(), il.clone()
+    bad_y[3, 1] = 7  # within example 3's target length (3): C = 5 classes
+    with pytest.raises(opake.exceptions.ConfigurationError, match=r"target class 7 in example 3 .*\[0, 4\]"):
+        step(x, bad_y, il, tl)
+    bad_y[3, 1], bad_y[3, 3] = 1, 7  # past example 3's target length: ignored, as by the kernel
+    step(x, bad_y, il, tl)
+    bad_il[4] = t + 1
+    with pytest.raises(opake.exceptions.ConfigurationError, match=rf"input length {t + 1} in example 4 .*\[0, {t}\]"):
+        step(x, y, bad_il, tl)
+    assert step.num_calls == 2 and step.num_traces == 1
 
 
 # ----------------------------------------------------------------------------- transformers
@@ -198,7 +272,7 @@ def test_wav2vec2_ctc_with_labels_matches_microbatch_oracle() -> None:
     assert not any("forward" in m.__dict__ for m in model.modules())
     bad = args[2].clone()
     bad[1, 0] = model.config.vocab_size
-    with pytest.raises(Exception, match="index"):
+    with pytest.raises(opake.exceptions.ConfigurationError, match="vocab_size"):
         step(args[0], args[1], bad)
     assert step.num_traces == 1
     # Under an eager vmap with the same adjustments (opake.verify's reference) the values are
@@ -231,3 +305,42 @@ def test_default_config_ctc_model_trains_with_its_labels(family: str) -> None:
     step.load_state_dict(saved)
     again = step(*args).clipped
     assert all(torch.equal(again.grads[k], first.grads[k]) for k in first.grads)
+
+
+def test_out_of_vocabulary_label_is_refused_before_the_step_runs() -> None:
+    """transformers' label check (``labels.max() >= config.vocab_size``), skipped inside the
+    graph, runs on the real labels before the step: randomness on (LayerDrop, SpecAugment,
+    dropout: the step's key moves), two chunks with the bad label in the second, a
+    ``DPOptimizer``. The refusal names the model, the value and the vocabulary size and changes
+    nothing (parameters, the step's key and sizes, the optimizer, the global generator); an
+    in-vocabulary batch afterwards trains."""
+    model = _ctc_model("wav2vec2")
+    step = opake.compile_dp(
+        _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
+    )
+    sampler = opake.PoissonSampler(B, 0.5, key=opake.random.key(4))
+    opt = opake.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(5))
+    x, mask, labels = _speech_batch()
+    vocab = model.config.vocab_size
+    bad = labels.clone()
+    bad[4, 0] = vocab + 2  # the second chunk (rows 3..4): the first chunk passes its check
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    step_state, opt_state, rng = step.state_dict(), copy.deepcopy(opt.state_dict()), torch.random.get_rng_state()
+    for _ in range(2):  # the first call traces, the second runs the cached graph
+        with pytest.raises(opake.exceptions.ConfigurationError, match=rf"Wav2Vec2ForCTC: label value {vocab + 2} in example 4 .*vocab_size = {vocab}"):
+            step(x, mask, bad)
+    assert all(torch.equal(v, params[k]) for k, v in model.state_dict().items())
+    assert step.state_dict() == step_state and step.num_calls == 0
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert opt.state_dict().keys() == opt_state.keys() and opt.steps == 0
+    # The refused batch left nothing behind: an in-vocabulary batch trains, with the draws of
+    # the step's unchanged key (replayed from the saved state: the same sums).
+    got = step(x, mask, labels).clipped
+    step.load_state_dict(step_state)
+    again = step(x, mask, labels).clipped
+    assert all(torch.equal(got.grads[k], again.grads[k]) for k in got.grads)
+    opt.step(got)
+    assert opt.steps == 1 and not torch.equal(model.lm_head.weight, params["lm_head.weight"])
+    edge = labels.clone()
+    edge[4, 0] = vocab - 1  # the largest label in the vocabulary passes
+    assert bool(torch.isfinite(step(x, mask, edge).clipped.grads["lm_head.weight"]).all())

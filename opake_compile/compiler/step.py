@@ -19,6 +19,11 @@ Why buckets rather than a symbolic batch dimension: under ``vmap`` the backward 
 ``dynamic=True``), and the rewrite passes read static sizes from ``node.meta['val']``; buckets
 keep every graph static and every pass unchanged.
 
+Checks on input values that the traced graph cannot make (a label outside the vocabulary, a
+CTC length out of range; see :mod:`opake_compile.compiler._input_checks`) run on the real rows
+of every chunk before any chunk's graph runs or the step's key is split: a refused batch raises
+a ``ConfigurationError`` and changes nothing.
+
 Privacy of the sizes: which bucket a batch uses is a function of its realised size, which
 ``ClippedPytree.num_examples`` already returns and documents as *not privatised* (as are the
 chunk count and the step's running time, which already depended on it). The released value,
@@ -499,15 +504,29 @@ class DPStep:
         flat = [l for l, k in zip(optree.tree_leaves(args, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
         sums: list[torch.Tensor] | None = None
         norms, losses, kept_all = [], [], []
+
+        def chunk(m: int, p: int, start: int) -> list:
+            if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
+                return flat
+            return [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
+
+        # Checks on real values that the graph cannot make (e.g. labels within the vocabulary,
+        # compiler/_input_checks.py): every chunk passes before any graph runs or key is split.
+        start = 0
+        for m, p in chunks:
+            checks = graphs[p].traced.input_checks
+            leaves = chunk(m, p, start) if checks else None
+            for check in checks:
+                message = check.run(leaves, m, start)
+                if message is not None:
+                    raise ConfigurationError(f"{message} The batch was refused before the step ran: nothing changed.")
+            start += m
         draws = self._batch_draws(layout.batch_draws, device)
         start = 0
         shares: dict[str, float] = {}  # per parameter: float32 Grams' bound share of a squared norm
         for m, p in chunks:
             compiled = graphs[p]
-            if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
-                leaves = flat
-            else:
-                leaves = [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
+            leaves = chunk(m, p, start)
             start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             with torch.no_grad(), self._rng_scope(compiled, device):

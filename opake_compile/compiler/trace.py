@@ -19,6 +19,11 @@ is adjusted while tracing: data-inspecting shortcuts, in-place masked writes, Sp
 and returns ``(per_example_losses (P,), G_1 (P, *shape_1), ..., G_k (P, *shape_k))``: one
 materialised per-example gradient per trainable parameter. The pass stage
 (:mod:`opake_compile.compiler.passes`) turns these into a clipped sum.
+
+Checks that library code makes on input values in Python (transformers' CTC label check, the
+CTC kernel's range checks) cannot run in the graph; patched code registers them while tracing
+(:mod:`opake_compile.compiler._input_checks`) and :attr:`TracedGraph.input_checks` carries them
+to the step, which runs them on the real batch first.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,6 +42,7 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile import patches as _patches
+from opake_compile.compiler import _input_checks
 from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
@@ -71,6 +78,8 @@ class TracedGraph:
     layout: InputLayout
     param_shapes: dict[str, tuple[int, ...]]
     has_randomness: bool
+    # Checks on the real batch, run before the graph (see opake_compile.compiler._input_checks).
+    input_checks: tuple[_input_checks.InputCheck, ...] = ()
 
 
 class _LossModule(nn.Module):
@@ -320,7 +329,8 @@ def trace_per_example_grads(
     extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
     try:
         # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
-        with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws):
+        with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws), \
+                _input_checks.recording() as recorder:
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
             )
@@ -335,6 +345,15 @@ def trace_per_example_grads(
             "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
+    first_leaf = n_tr + n_ot + 2
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_checks = recorder.build(gm, placeholders[first_leaf : first_leaf + len(tensor_leaves)])
+    for what in recorder.dropped:
+        warnings.warn(
+            f"compile_dp cannot check {what} on the real batch before the step runs (the checked "
+            "value depends on more than the batch arguments); such a batch fails inside the step instead.",
+            stacklevel=3,
+        )
     gm.graph.eliminate_dead_code()
     relax_stride_assumptions(gm)
     gm.recompile()
@@ -345,4 +364,4 @@ def trace_per_example_grads(
         for n in gm.graph.nodes
     )
     shapes = {n: tuple(named[n].shape) for n in trainable}
-    return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random)
+    return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random, input_checks=input_checks)
