@@ -181,10 +181,8 @@ def test_gpt2_small_width_block_norms_are_exact_at_t128():
     loss = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
     step, rel = _assert_norms_exact(model, loss, (ids,), 2)
     assert any(v.startswith("ghost:") for v in step.coverage.values())
-    # The tied wte / LM head's output gradients (softmax - one-hot, a shared direction) make
-    # its float32 Grams' bound loose (0.6 % here): the step switches that parameter to float64
-    # Grams; the linear layers keep float32 ones, within FAST_GRAM_ESCALATE.
-    assert step.float64_gram_parameters == frozenset({"transformer.wte.weight"})
+    # Float32 Grams: within FAST_GRAM_ESCALATE, or the step switched the parameters responsible
+    # to float64 ones after the first call.
     got = step(ids).clipped.per_example_norms.double()
     rel = (got - _oracle_norms(model, loss, (ids,))) / _oracle_norms(model, loss, (ids,))
     assert 0 <= float(rel.min()) and float(rel.max()) <= _factors.FAST_GRAM_ESCALATE, rel

@@ -407,7 +407,7 @@ def emit_sq_norm(
                     fro_a = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, ga, [shape(ga)[0], -1])))
                     fro_b = cached(("fro",) + b_key, lambda: em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, gb, [shape(gb)[0], -1]))))
                     # A one-hot factor's Gram entries are exact (comparisons, gathers).
-                    frob_parts.append((fro_a, fro_b, 1.0 if k == j else 2.0, f.onehot or g.onehot))
+                    frob_parts.append((j, k, fro_a, fro_b, f.onehot or g.onehot))
                 term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
                 if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
@@ -427,7 +427,7 @@ def emit_sq_norm(
             s = em(aten.add.Tensor, s, part)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
-        frob = _frobenius_rounding(em, factors, frob_parts, fast_norms[1], fast_norms[2]) if fast and frob_parts else None
+        frob = _frobenius_rounding(em, factors, frob_parts, fast_norms) if fast and frob_parts else None
         total = _bound_rounding(factors, total, mass_sq, em, gram_dtype, frob, slack_out)
     if fast:
         total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
@@ -436,13 +436,14 @@ def emit_sq_norm(
     return total, mass_sq
 
 
-def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Node, fx.Node]:
+def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node], list[fx.Node]]:
     """Upper bounds, in float64, from the factors themselves: ``S = sum_j sum_k ||a_jk||
-    ||b_jk||`` and the squared Frobenius norms ``||A||^2``, ``||B||^2`` summed over terms, each
-    shape (P,).
+    ||b_jk||``, the squared Frobenius norms ``||A||^2``, ``||B||^2`` summed over terms, and the
+    same per term (two lists in the factors' order), each shape (P,).
     One read of every factor, nothing large written (float32 Gram matrices, whose diagonals
     could underflow, are not trusted for these)."""
     s = fa = fb = None
+    per_a, per_b = [], []
     for f in factors:
         nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)  # (P, K)
         fb_part = em(aten.sum.dim_IntList, nb, [1])
@@ -456,7 +457,9 @@ def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Nod
         s = part if s is None else em(aten.add.Tensor, s, part)
         fa = fa_part if fa is None else em(aten.add.Tensor, fa, fa_part)
         fb = fb_part if fb is None else em(aten.add.Tensor, fb, fb_part)
-    return s, fa, fb
+        per_a.append(fa_part)
+        per_b.append(fb_part)
+    return s, fa, fb, per_a, per_b
 
 
 def _bound_underflow(em: Emitter, factors: list[Factor], sq: fx.Node, fa: fx.Node, fb: fx.Node) -> fx.Node:
@@ -574,33 +577,40 @@ def _gram_gammas(factors: list[Factor]) -> tuple[float, float]:
 
 
 def _frobenius_rounding(
-    em: Emitter, factors: list[Factor], parts: list[tuple[fx.Node, fx.Node, float, bool]], fa: fx.Node, fb: fx.Node
+    em: Emitter, factors: list[Factor], parts: list[tuple[int, int, fx.Node, fx.Node, bool]], norms: tuple
 ) -> fx.Node:
     """A bound on what rounding the float32 Gram matrices' entries moves the squared norm by,
     through Frobenius norms instead of ``S^2``; shape (P,), float64.
 
-    For one pair of terms, computed Grams ``G~_A = G_A + E_A`` and ``G~_B = G_B + E_B`` with
-    ``|E_A[k, l]| <= gamma_R ||a_k|| ||a_l||`` (any summation order), so ``||E_A||_F <=
-    gamma_R ||A||_F^2`` (``||A^j|| ||A^k|| <= fa``, the squared Frobenius norms summed over
-    terms), and likewise for B. Then ``sum G~_A G~_B - sum G_A G_B = sum E_A G~_B + sum G_A
-    E_B``, and Cauchy-Schwarz with ``||G_A||_F <= ||G~_A||_F + ||E_A||_F`` gives::
+    For the pair of terms (j, k), computed Grams ``G~_A = G_A + E_A`` and ``G~_B = G_B + E_B``
+    with ``|E_A[k, l]| <= gamma_R ||a^j_k|| ||a^k_l||`` (any summation order), so ``||E_A||_F <=
+    gamma_R ||A^j||_F ||A^k||_F``, and likewise for B. Then ``sum G~_A G~_B - sum G_A G_B =
+    sum E_A G~_B + sum G_A E_B``, and Cauchy-Schwarz with ``||G_A||_F <= ||G~_A||_F +
+    ||E_A||_F`` gives::
 
-        |error| <= gamma_R fa ||G~_B||_F + gamma_C fb ||G~_A||_F + gamma_R gamma_C fa fb
+        |error| <= gamma_R ||A^j|| ||A^k|| ||G~_B||_F + gamma_C ||B^j|| ||B^k|| ||G~_A||_F
+                   + gamma_R gamma_C ||A^j|| ||A^k|| ||B^j|| ||B^k||
 
     per pair (counted twice for an off-diagonal pair; no ``gamma_R`` term where a one-hot
-    factor makes ``G_A`` exact), with ``3 gamma_R gamma_C fa fb`` in
-    all, since ``(sum_j ||A^j|| ||B^j||)^2 <= fa fb``. When positions do not line up,
-    ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about ``(gamma_R + gamma_C) sqrt(K)`` of
-    an ordinary squared norm against ``(gamma_R + gamma_C) K`` for the ``S^2`` form; when
-    they do (anisotropic activations), the two are alike. Its own float64 evaluation (sums of
-    at most K^2 exact squares, a few products) is covered by the factor 1.001."""
+    factor makes ``G_A`` exact), with ``3 gamma_R gamma_C ||A||^2 ||B||^2`` for the last terms
+    of all pairs together, since ``(sum_j ||A^j|| ||B^j||)^2 <= ||A||^2 ||B||^2``. When
+    positions do not line up, ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about
+    ``(gamma_R + gamma_C) sqrt(K)`` of an ordinary squared norm against ``(gamma_R + gamma_C)
+    K`` for the ``S^2`` form; when they do (anisotropic activations), the two are alike. Its
+    own float64 evaluation (sums of at most K^2 squares, a few products and square roots) is
+    covered by the factor 1.001."""
+    _, fa, fb, per_a, per_b = norms
     g_r, g_c = _gram_gammas(factors)
     total = em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fb), 3.0 * g_r * g_c)
-    for fro_a, fro_b, mult, a_exact in parts:
-        term = em(aten.mul.Tensor, em(aten.mul.Tensor, fb, fro_a), g_c)
+
+    def both(per: list[fx.Node], j: int, k: int) -> fx.Node:  # ||X^j|| ||X^k||
+        return per[j] if j == k else em(aten.sqrt.default, em(aten.mul.Tensor, per[j], per[k]))
+
+    for j, k, fro_a, fro_b, a_exact in parts:
+        term = em(aten.mul.Tensor, em(aten.mul.Tensor, both(per_b, j, k), fro_a), g_c)
         if not a_exact:
-            term = em(aten.add.Tensor, em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fro_b), g_r), term)
-        total = em(aten.add.Tensor, total, em(aten.mul.Tensor, term, mult))
+            term = em(aten.add.Tensor, em(aten.mul.Tensor, em(aten.mul.Tensor, both(per_a, j, k), fro_b), g_r), term)
+        total = em(aten.add.Tensor, total, term if j == k else em(aten.mul.Tensor, term, 2.0))
     return em(aten.mul.Tensor, total, 1.001)
 
 
