@@ -46,12 +46,10 @@ import torch.nn as nn
 from opake_compile import random as _random
 from opake_compile._markers import reject_dp_output
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
-from opake_compile.compiler._graph_utils import nodes_with_role
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
 from opake_compile.compiler.passes.memory import split_grouped_weight_grads
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.compiler.passes._factors import FAST_GRAM_ESCALATE, float64_grams
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
@@ -86,8 +84,6 @@ class _Compiled:
     reports: list[PassReport]
     coverage: dict[str, str]
     fn: Callable[..., Any]
-    # Parameters whose float32 Grams' bound shares are the graph's last output, in its order.
-    gram_slack: tuple[str, ...] = ()
 
 
 def _default_physical_batch_size(n: int) -> int:
@@ -243,7 +239,6 @@ class DPStep:
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
         self._num_calls = 0
-        self._float64_grams: frozenset[str] = frozenset()
 
     # ------------------------------------------------------------------ public
     @property
@@ -277,18 +272,6 @@ class DPStep:
         return self._plan.plan(n)
 
     @property
-    def float64_gram_parameters(self) -> frozenset[str]:
-        """Parameters whose Gram matrices the step now forms in float64 although their
-        shapes allow float32 ones (:func:`~opake_compile.compiler.passes._factors.fast_gram_ok`):
-        a batch's norms were inflated by float32 Grams' rounding bounds by more than
-        :data:`~opake_compile.compiler.passes._factors.FAST_GRAM_ESCALATE` (0.5 %), as
-        strongly aligned positions do (anisotropic activations, a small-vocabulary LM head).
-        The parameters contributing most are switched until the rest would stay under half of
-        it; that rebuilds the graphs once. The step that saw the inflation keeps its result
-        (sound: the norms are upper bounds; over-clipped by that much)."""
-        return self._float64_grams
-
-    @property
     def num_backend_compiles(self) -> int:
         """How many graphs the backend compiled for this step (recompiles included)."""
         return 0 if self._counter is None else self._counter.count
@@ -315,7 +298,7 @@ class DPStep:
         try:
             self._plan.set_anchor(n)
             chunks = self._plan.plan(n)
-            graphs = {p: self._get_compiled((base, p, self._float64_grams), args, batched, p) for _, p in chunks}
+            graphs = {p: self._get_compiled((base, p), args, batched, p) for _, p in chunks}
             result = self._run(graphs, chunks, args, batched, n, params, buffers)  # lowers on first use
         except BaseException:
             self._plan.undo(undo)  # a batch that cannot be traced or compiled leaves no size behind
@@ -381,8 +364,6 @@ class DPStep:
             f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, "
             f"physical_sizes={list(self.physical_sizes)}, backend={self.backend!r})"
         ]
-        if self._float64_grams:
-            lines.append(f"  float64 Gram matrices after a batch's norms were inflated by float32 ones: {sorted(self._float64_grams)}")
         if not self._cache:
             lines.append("  not traced yet: call the step once.")
         for i, c in enumerate(self._cache.values()):
@@ -422,7 +403,7 @@ class DPStep:
         params, _, modes = _model_state(self.model)
         trainable = tuple(k for k, p in params.items() if p.requires_grad)
         base = self._signature(args, batched, trainable, params, modes)
-        return self._cache.get((base, self._plan.plan(n)[0][1], self._float64_grams))
+        return self._cache.get((base, self._plan.plan(n)[0][1]))
 
     def _batched_positions(self, nargs: int) -> tuple[int, ...]:
         if self.batch_argnums is None:
@@ -470,15 +451,12 @@ class DPStep:
         passes = [lambda gm: insert_clipping(gm, param_names=layout.trainable, clip_input=clip_input)]
         passes += self._rewrites
         passes.append(split_grouped_weight_grads)  # same values, smaller peak memory
-        with float64_grams(self._float64_grams):
-            reports = run_pipeline(traced.gm, passes)
+        reports = run_pipeline(traced.gm, passes)
         coverage: dict[str, str] = {}
         for r in reports:
             coverage.update(r.coverage)
-        slack_node = nodes_with_role(traced.gm.graph, "gram_slack")
-        slack = next(iter(slack_node.values())).meta["opake_gram_slack"] if slack_node else ()
         fn = lower(traced.gm, self.backend, self._counter)
-        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn, gram_slack=slack)
+        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn)
         self._cache[sig] = compiled
         return compiled
 
@@ -523,7 +501,6 @@ class DPStep:
             start += m
         draws = self._batch_draws(layout.batch_draws, device)
         start = 0
-        shares: dict[str, float] = {}  # per parameter: float32 Grams' bound share of a squared norm
         for m, p in chunks:
             compiled = graphs[p]
             leaves = chunk(m, p, start)
@@ -532,16 +509,12 @@ class DPStep:
             with torch.no_grad(), self._rng_scope(compiled, device):
                 out = compiled.fn(*state, clip, mask, *leaves, *draws)
             loss_c, norm_c, kept_c, *sum_c = out
-            if compiled.gram_slack:
-                for name, share in zip(compiled.gram_slack, sum_c.pop().tolist()):
-                    shares[name] = max(shares.get(name, 0.0), share)
             if m == p:
                 losses.append(loss_c), norms.append(norm_c), kept_all.append(kept_c)
             else:
                 losses.append(loss_c[:m]), norms.append(norm_c[:m]), kept_all.append(kept_c[:m])
             # Chunk sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
             sums = list(sum_c) if sums is None else [_num.add_partial(a, b) for a, b in zip(sums, sum_c)]
-        self._escalate_grams(shares)
         cat = (lambda parts: parts[0]) if len(losses) == 1 else torch.cat
         kept = cat(kept_all)
         clipped = ClippedPytree(
@@ -554,25 +527,6 @@ class DPStep:
         )
         loss = cat(losses).mean()
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(first.coverage))
-
-    def _escalate_grams(self, shares: dict[str, float]) -> None:
-        """Switch parameters to float64 Grams if float32 Grams' rounding bounds inflated a
-        norm by more than FAST_GRAM_ESCALATE: the largest contributors first, until the rest
-        add up to at most half of it. (A share s of a squared norm inflates the norm by
-        1 / sqrt(1 - s) - 1; the per-parameter maxima over examples add up to at least the
-        largest example's total.)"""
-        e = FAST_GRAM_ESCALATE
-        limit = (2 * e + e * e) / (1 + e) ** 2
-        total = sum(shares.values())
-        if total < limit:  # also False for NaN: escalate
-            return
-        chosen = set(self._float64_grams)
-        for name, share in sorted(shares.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else -math.inf):
-            if total < limit / 2:
-                break
-            chosen.add(name)
-            total -= share if share == share else 0.0
-        self._float64_grams = frozenset(chosen)
 
     @staticmethod
     def _rows(i: int, x: torch.Tensor, start: int, m: int, p: int) -> torch.Tensor:

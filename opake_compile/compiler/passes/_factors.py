@@ -29,12 +29,10 @@ factors with a select before any product, so a NaN in an excluded example cannot
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx
@@ -61,8 +59,6 @@ __all__ = [
     "emit_sq_norm",
     "fast_gram_ok",
     "FAST_GRAM_OVERCLIP",
-    "FAST_GRAM_ESCALATE",
-    "float64_grams",
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
@@ -205,7 +201,7 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
 #: The longest contraction one float32 Gram product runs over: a longer one (an LM head's
 #: vocabulary, a wide MLP) is split into products over at most this many terms, added in
 #: float64, so each entry's rounding bound is that of GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
-GRAM_CHUNK = 1024
+GRAM_CHUNK = 256
 
 
 def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
@@ -228,14 +224,15 @@ def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
 
 def _gram_entry_gamma(n: int) -> float:
     """The rounding bound of one float32 Gram entry over n terms, relative to
-    ``sum_i |x_i| |y_i|``: ``gamma_n`` for one product; over chunks (:func:`_gram`), each
-    chunk's ``gamma_{GRAM_CHUNK}`` plus the float64 sum of the chunks' partial values, which are
-    at most ``(1 + gamma_{GRAM_CHUNK})`` times their share of that sum."""
+    ``sum_i |x_i| |y_i|``: ``gamma_n`` for one product; over chunks of m terms (:func:`_gram`),
+    each chunk's ``gamma_m`` plus the float64 sum of the chunks' partial values, which are at
+    most ``(1 + gamma_m)`` times their share of that sum."""
     u = unit_roundoff(torch.float32, matmul=True)
     if n <= GRAM_CHUNK:
         return gamma(n, u)
-    g = gamma(GRAM_CHUNK, u)
-    return g + gamma(-(-n // GRAM_CHUNK), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
+    chunks = -(-n // GRAM_CHUNK)
+    g = gamma(-(-n // chunks), u)
+    return g + gamma(chunks, unit_roundoff(NORM_DTYPE)) * (1.0 + g)
 
 
 #: View ops: two chains of them with the same arguments over the same node alias the same
@@ -278,56 +275,34 @@ def _b_key(f: Factor) -> object:
     return value_key(f.b)
 
 
-def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype, name: str | None = None) -> bool:
+def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     """Whether float32 Gram matrices are accurate enough here (:func:`emit_sq_norm`).
 
-    Their rounding bound (:func:`_frobenius_rounding`) inflates an ordinary example's norm
-    (positions that do not line up) by about ``(gamma_R + gamma_C) sqrt(K)`` (half that,
-    doubled for correlated positions). Float32 Grams are used when that is at most
-    :data:`FAST_GRAM_OVERCLIP` (0.4 %); wider layers or longer sequences get float64 ones, and
-    so does parameter ``name`` inside :func:`float64_grams` naming it (the step's answer to a
-    batch whose norms the bound inflated by more than :data:`FAST_GRAM_ESCALATE`)."""
-    if name is not None and name in _FLOAT64_GRAMS.get():
-        return False
+    Their rounding bound is the smaller of two (:func:`_bound_rounding`). On positions that
+    do not line up the Frobenius one inflates a norm by about ``(gamma_R + gamma_C) sqrt(K) /
+    2``; where one factor's positions share a direction (anisotropic activations) and the
+    other's do not, by up to about ``(gamma_R + gamma_C) K / 2``, which the ``S^2`` one also
+    reaches on unaligned positions. Float32 Grams are used when that larger figure is at most
+    :data:`FAST_GRAM_OVERCLIP` (0.4 %); longer sequences get float64 ones. The choice depends
+    on shapes only: an example's norm bound must depend on that example alone (a choice made
+    from one batch's values would change every later example's clip factor, so one example
+    could move the others' contributions)."""
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
     if all(f.k == 1 and not f.onehot for f in factors):
         return False  # rank one: no Gram matrix, only sums of squares (bounded above)
     g_r, g_c = _gram_gammas(factors)
     k = sum(f.k for f in factors)
-    return (g_r + g_c) * math.sqrt(k) <= FAST_GRAM_OVERCLIP
+    return (g_r + g_c) * k / 2 <= FAST_GRAM_OVERCLIP
 
 
-#: The largest typical norm inflation (relative) accepted from float32 Gram matrices.
+#: The largest norm inflation (relative) accepted from float32 Gram matrices' rounding bound on
+#: ordinary data (no cancellation), estimated from shapes (:func:`fast_gram_ok`).
 FAST_GRAM_OVERCLIP = 4e-3
-
-#: The norm inflation (relative, the largest over a batch's kept examples) from float32 Gram
-#: matrices' rounding bounds beyond which a step rebuilds its graphs with float64 Grams for the
-#: parameters contributing most (:class:`~opake_compile.compiler.step.DPStep`): strongly
-#: aligned positions (anisotropic activations, the output gradients of a small-vocabulary LM
-#: head) make the bound as large as ``(gamma_R + gamma_C) K``.
-FAST_GRAM_ESCALATE = 5e-3
-
-_FLOAT64_GRAMS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("opake_float64_grams", default=frozenset())
-
-
-@contextlib.contextmanager
-def float64_grams(names: frozenset[str]) -> Iterator[None]:
-    """Within this block, rewrites form the Gram matrices of the parameters ``names`` in
-    float64 (:func:`fast_gram_ok`)."""
-    token = _FLOAT64_GRAMS.set(frozenset(names))
-    try:
-        yield
-    finally:
-        _FLOAT64_GRAMS.reset(token)
 
 
 def emit_sq_norm(
-    em: Emitter,
-    factors: list[Factor],
-    grams: dict | None = None,
-    gram_dtype: torch.dtype = NORM_DTYPE,
-    slack_out: list[fx.Node] | None = None,
+    em: Emitter, factors: list[Factor], grams: dict | None = None, gram_dtype: torch.dtype = NORM_DTYPE
 ) -> tuple[fx.Node, fx.Node]:
     """Ghost norm: an upper bound on the per-example squared Frobenius norm of
     ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
@@ -347,10 +322,6 @@ def emit_sq_norm(
 
     Returns:
         ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
-
-    ``slack_out``: where the float32 Grams' rounding bound (shape (P,), float64, the part a
-    float64 Gram form would not add) is appended, so that the step can see how far it
-    inflates this batch's norms (:data:`FAST_GRAM_ESCALATE`).
 
     ``grams``: a cache shared by the parameters of one graph. Layers that read the same input
     (q/k/v or gate/up projections, LoRA adapters next to each other) have the same right
@@ -428,7 +399,7 @@ def emit_sq_norm(
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         frob = _frobenius_rounding(em, factors, frob_parts, fast_norms) if fast and frob_parts else None
-        total = _bound_rounding(factors, total, mass_sq, em, gram_dtype, frob, slack_out)
+        total = _bound_rounding(factors, total, mass_sq, em, gram_dtype, frob)
     if fast:
         total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
     if unscale is not None:
@@ -537,7 +508,6 @@ def _bound_rounding(
     em: Emitter,
     gram_dtype: torch.dtype = NORM_DTYPE,
     frob: fx.Node | None = None,
-    slack_out: list[fx.Node] | None = None,
 ) -> fx.Node:
     """``sq + 2 n u S^2``: above the exact squared norm whatever the rounding.
 
@@ -550,8 +520,7 @@ def _bound_rounding(
 
     Float32 Gram matrices (``gram_dtype``) add the rounding of their entries: the smaller of
     ``2 (gamma_R + gamma_C + gamma_R gamma_C) S^2`` and ``frob``
-    (:func:`_frobenius_rounding`), both valid bounds, so taking the smaller is too. That
-    part is appended to ``slack_out``."""
+    (:func:`_frobenius_rounding`), both valid bounds, so taking the smaller is too."""
     n = 4 + sum(f.cols + (0 if f.onehot else f.rows) for f in factors) + sum(f.k for f in factors) ** 2
     coef = 2.0 * gamma(n, unit_roundoff(NORM_DTYPE))
     if gram_dtype == NORM_DTYPE:
@@ -565,8 +534,6 @@ def _bound_rounding(
     if frob is not None:
         # minimum, not fmin: a NaN bound makes the example non-finite (dropped), never smaller.
         slack = em(aten.minimum.default, slack, frob)
-    if slack_out is not None:
-        slack_out.append(slack)
     return em(aten.add.Tensor, em(aten.add.Tensor, sq, em(aten.mul.Tensor, mass_sq, coef)), slack)
 
 

@@ -96,7 +96,7 @@ def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_in
         m = set_role(em(aten.mul.Tensor, sq, 1.0), "sum_mass", name)
         total = sq if total is None else em(aten.add.Tensor, total, sq)
         mass = m if mass is None else em(aten.add.Tensor, mass, m)
-    norms = set_role(em(aten.sqrt.default, total), "norm", "")
+    norms = em(aten.sqrt.default, total)
     finite = em(aten.isfinite.default, norms)
     kept = set_role(em(aten.logical_and.default, finite, mask_node), "kept", "")
     c_nd = em(aten._to_copy.default, c_node, dtype=nd)

@@ -28,17 +28,17 @@ things are needed:
      |b| ~ 10^170 still gives the right norm; a squared norm beyond float64's range makes the
      example non-finite (dropped and counted), one that underflows belongs to a gradient far
      below the smallest admissible C (2^-100);
-   - Gram-form (ghost) norms: where the layer is narrow and short enough that the bound below
-     inflates an ordinary norm by at most 0.4 % (``(gamma_R + gamma_C) sqrt(K)``), the Gram
-     matrices are float32 products reduced in float64, and the smaller of
-     ``2 (gamma_R + gamma_C) S_i^2`` and a Frobenius-norm bound
-     (``gamma_R ||A||^2 ||B B^T||_F + gamma_C ||B||^2 ||A^T A||_F + 3 gamma_R gamma_C ||A||^2
-     ||B||^2``, about sqrt(K) times smaller when positions do not line up) is added, plus an
-     absolute term for float32 underflow (``2^-149 K (C ||A||^2 + R ||B||^2)``); elsewhere
-     they are float64 end to end and ``2 n u_64 S_i^2`` (~10^-10 relative) is added. Both are
-     upper bounds whatever the data; on aligned positions (anisotropic activations) the
-     float32 one is loose, so the step watches it: a batch whose norms it inflated by more
-     than 0.5 % switches the parameters responsible to float64 Grams for later calls.
+   - Gram-form (ghost) norms: where the sequence is short enough that the bound below inflates
+     an ordinary norm by at most 0.4 % (``(gamma_R + gamma_C) K / 2``, with gamma over at most
+     256 terms: longer contractions are float32 products over slices of 256, added in
+     float64), the Gram matrices are float32 products reduced in float64, and the smaller of
+     ``2 (gamma_R + gamma_C) S_i^2`` and a Frobenius-norm bound (``gamma_R ||A||^2 ||B B^T||_F
+     + gamma_C ||B||^2 ||A^T A||_F + 3 gamma_R gamma_C ||A||^2 ||B||^2``, about sqrt(K) times
+     smaller when positions do not line up) is added, plus an absolute term for float32
+     underflow (``2^-149 K (C ||A||^2 + R ||B||^2)``); elsewhere they are float64 end to end
+     and ``2 n u_64 S_i^2`` (~10^-10 relative) is added. The choice depends on shapes only,
+     never on values seen: an example's bound must depend on that example alone, or one
+     example could change the others' clip factors.
      The float32 Gram form with a threshold-based guard inflated GPT-2-width norms by 26 % at
      T = 128 and 1,430 % at T = 1024;
    - the mixed path (per-example gradient formed by a float32 ``bmm`` for its norm only, the

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.fx as fx
 
-from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, set_role, shape, val
+from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, shape, val
 from opake_compile.compiler.passes._base import PassReport
 from opake_compile.compiler.passes._factors import (
     GRAM_COST_FACTOR,
@@ -368,7 +368,6 @@ def _ghost_clipping(
     coverage: dict[str, str] = {}
     notes: dict[str, str] = {}
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
-    slacks: dict[str, fx.Node] = {}  # float32 Grams' rounding bounds, per example (emit_sq_norm)
     # kept.all(), read by every book-keeping call: computed once, before the output.
     all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
     for name, sq in sq_nodes.items():
@@ -383,18 +382,12 @@ def _ghost_clipping(
         em, em_out = Emitter(graph, before=sq), Emitter(graph, before=out_node)
         grams_before = dict(grams)
         done = False
-        param_slacks: list[fx.Node] = []
         try:
             label, why, used = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
-                bookkeeping, grams, kept, factor, sum_acc, all_kept, param_slacks,
+                bookkeeping, grams, kept, factor, sum_acc, all_kept,
             )
             done = used is not None
-            if done and param_slacks:
-                total = param_slacks[0]
-                for extra in param_slacks[1:]:
-                    total = em(aten.add.Tensor, total, extra)
-                slacks[name] = total
         except _RuleFailed as err:
             if wanted != "auto":
                 raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: {err}.") from err.__cause__
@@ -413,8 +406,6 @@ def _ghost_clipping(
             matches[rule] = matches.get(rule, 0) + 1
     if not all_kept.users:
         graph.erase_node(all_kept)
-    if slacks:
-        _output_gram_slack(graph, out_node, kept, slacks)
     return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
 
 
@@ -433,10 +424,8 @@ def _rewrite_parameter(
     factor: fx.Node,
     sum_acc: torch.dtype,
     all_kept: fx.Node,
-    slacks: list[fx.Node],
 ) -> tuple[str | None, str | None, list[str] | None]:
-    """Try to rewrite one parameter's norm and clipped sum (float32 Grams' rounding bounds
-    appended to ``slacks``).
+    """Try to rewrite one parameter's norm and clipped sum.
 
     Returns:
         ``(coverage label or None, note or None, matched rule names or None)``; the graph is
@@ -469,7 +458,7 @@ def _rewrite_parameter(
         raise ConfigurationError(f"force={{{name!r}: 'mixed'}}: a {rules} term has no materialised norm form.")
     plans = []
     for block in found.blocks:
-        plan = _plan(block, p, wanted, sum_acc, name)
+        plan = _plan(block, p, wanted, sum_acc)
         if plan[0] == "materialized":
             return "materialized (cheaper than ghost)", plan[1], None
         plans.append(plan)
@@ -482,11 +471,7 @@ def _rewrite_parameter(
                 # book-keeping.
                 b_sq, b_mass = emit_sq_norm_materialized(em, block, sum_acc)
             else:
-                block_slacks: list[fx.Node] = []
-                b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype, block_slacks)
-                groups = block[0].groups
-                for slack in block_slacks:  # per block of a grouped convolution: per example
-                    slacks.append(slack if groups == 1 else em(aten.sum.dim_IntList, em(aten.view.default, slack, [p, groups]), [1]))
+                b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
             sqs.append(b_sq)
             masses.append(b_mass)
@@ -516,46 +501,14 @@ def _rewrite_parameter(
     return label, None, [f.rule for f in factors]
 
 
-def _output_gram_slack(graph: fx.Graph, out_node: fx.Node, kept: fx.Node, slacks: dict[str, fx.Node]) -> None:
-    """Append to the graph's outputs, per parameter with float32 Grams, the largest share over
-    kept examples of the squared norm that their rounding bound makes up: a float64 vector in
-    the order of ``meta["opake_gram_slack"]`` (the names), tagged ``"gram_slack"``. The step
-    reads it to decide which parameters to rebuild with float64 Grams
-    (:data:`~._factors.FAST_GRAM_ESCALATE`). It describes how the norms were bounded, not a
-    privatised value, and is never returned to the user."""
-    norms = next(iter(nodes_with_role(graph, "norm").values()))
-    em = Emitter(graph, before=out_node)
-    sq = em(aten.mul.Tensor, norms, norms)
-    ok = em(aten.logical_and.default, kept, em(aten.gt.Scalar, sq, 0.0))
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=NORM_DTYPE)
-    one = em(aten.scalar_tensor.default, 1.0, dtype=NORM_DTYPE)
-    denom = em(aten.where.self, ok, sq, one)
-    outputs = list(out_node.args[0])
-    earlier = nodes_with_role(graph, "gram_slack")
-    names, shares = [], []
-    if earlier:  # a second ghost pass over the same graph: one output for both
-        old = next(iter(earlier.values()))
-        outputs.remove(old)
-        old.meta.pop("opake_role", None)
-        for i, name in enumerate(old.meta["opake_gram_slack"]):
-            names.append(name)
-            shares.append(em(aten.select.int, old, 0, i))
-    for name, slack in slacks.items():
-        names.append(name)
-        shares.append(em(aten.amax.default, em(aten.where.self, ok, em(aten.div.Tensor, slack, denom), zero), [0]))
-    node = set_role(em(aten.stack.default, shares), "gram_slack", "")
-    node.meta["opake_gram_slack"] = tuple(names)
-    out_node.args = (tuple(outputs) + (node,),)
-
-
-def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype, name: str | None = None) -> tuple[str, object]:
+def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype) -> tuple[str, object]:
     """How one block's norm is formed: ``("ghost", gram dtype)``, ``("mixed", None)``, or
     ``("materialized", why)`` when forming the per-example gradient in the traced graph is
     cheaper and no mixed form exists (conv)."""
     dense = not any(f.onehot for f in factors)
     mixable = all(f.rule in _MIXED_RULES for f in factors)
     # Float32 Gram matrices where their rounding bound is small (fast_gram_ok), else float64.
-    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc, name) else NORM_DTYPE
+    gram_dtype = torch.float32 if fast_gram_ok(factors, sum_acc) else NORM_DTYPE
     if wanted == "mixed":
         return "mixed", None
     # Against the mixed path (same memory) the float64 Gram form's real cost counts; against
