@@ -392,8 +392,8 @@ def peak_step_bytes(fn: Callable[[], Any], device: str) -> tuple[float, str]:
 
     CUDA: torch.cuda.max_memory_allocated. CPU: the PyTorch profiler's memory events (every
     c10 CPU-allocator allocation/free inside the window, with a running "Total Allocated"
-    that starts at 0 when profiling starts); the peak of that counter is the step's working
-    memory. Inductor's CPU wrapper allocates its buffers through the same allocator.
+    that includes what was allocated before the window); the peak of that counter above its
+    value when the window opened is the step's working memory. Inductor's CPU wrapper allocates its buffers through the same allocator.
     """
     import torch
 
@@ -416,10 +416,17 @@ def peak_step_bytes(fn: Callable[[], Any], device: str) -> tuple[float, str]:
             events = json.load(f)["traceEvents"]
     finally:
         os.unlink(path)
-    peak = 0
-    for e in events:
-        if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0:
-            peak = max(peak, e["args"].get("Total Allocated", 0))
+    mem = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0),
+        key=lambda e: e.get("ts", 0),
+    )
+    if not mem:
+        return 0.0, "profiler CPU allocator"
+    # "Total Allocated" counts what the allocator held before the window too (earlier models'
+    # tensors in the same process): measure from what it held when the window opened.
+    first = mem[0]["args"]
+    base = first.get("Total Allocated", 0) - first.get("Bytes", 0)
+    peak = max(e["args"].get("Total Allocated", 0) for e in mem) - base
     return float(peak), "profiler CPU allocator"
 
 
