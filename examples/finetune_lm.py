@@ -139,13 +139,12 @@ def pretrain(model, x: torch.Tensor, steps: int, seed: int) -> None:
 
 
 def gpt2_config(tok, n_positions: int, width: int, layers: int) -> transformers.GPT2Config:
-    """A small GPT-2 config for the tokenizer ``tok`` (eager attention: SDPA has no vmap rule)."""
+    """A small GPT-2 config for the tokenizer ``tok`` (transformers' default SDPA attention)."""
     config = transformers.GPT2Config(
         vocab_size=len(tok), n_positions=n_positions, n_embd=width, n_layer=layers,
         n_head=max(1, width // 32), bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
-    config._attn_implementation = "eager"
     return config
 
 

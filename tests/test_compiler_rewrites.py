@@ -570,7 +570,7 @@ def _gpt2(dtype=F64):
         n_layer=1, n_embd=32, n_head=2, vocab_size=500, n_positions=16,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
-    cfg._attn_implementation = "eager"  # SDPA has no vmap batching rule
+    cfg._attn_implementation = "eager"  # plain matmuls; SDPA has its own tests (test_coverage_sdpa.py)
     model = _build(lambda: transformers.GPT2LMHeadModel(cfg), seed=0, dtype=dtype).eval()
     assert model.config._attn_implementation == "eager"
     return model
