@@ -587,3 +587,27 @@ def test_an_examples_norm_depends_on_that_example_alone():
     x2[0], w2[0] = hx[0], hw[0]
     assert torch.equal(step(x2, w2).clipped.per_example_norms[1:], first[1:])
     assert step.num_traces == 1
+
+
+def test_a_changed_matmul_precision_traces_again():
+    """Float32 rounding bounds are sized to the matrix-product precision in force at trace time:
+    allowing TF32 / bfloat16 passes after the first call must not reuse the IEEE graph (its
+    float32 Grams would then read operands at 2^-11 under bounds for 2^-24)."""
+    p, k, r, c = 4, 16, 64, 64
+    x, w = _positions_batch(p, k, r, c, "random", seed=21)
+    step = compile_dp(lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum(), model=nn.Linear(r, c, bias=False),
+                      clipping_norm=1.0, backend="aot_eager")
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        step(x, w)
+        assert step.num_traces == 1
+        torch.set_float32_matmul_precision("high")
+        assert not numerics.float32_matmul_is_ieee()
+        step(x, w)
+        assert step.num_traces == 2  # traced again, under reduced-precision bounds
+        torch.set_float32_matmul_precision("highest")
+        step(x, w)
+        assert step.num_traces == 2  # the IEEE graph is still cached
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -434,7 +434,11 @@ class DPStep:
                 except TypeError:
                     parts.append(("const", repr(leaf)))
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
-        return (treedef, tuple(parts), trainable, model_state, modes)
+        # The rewrites size float32 rounding bounds (Gram matrices, the mixed path's product) to
+        # the matrix-product precision in force when they trace: a graph traced under IEEE
+        # float32 must not run once TF32 or bfloat16 passes are allowed (an example's
+        # contribution reached 1.007 C that way), so a changed setting traces again.
+        return (treedef, tuple(parts), trainable, model_state, modes, _num.float32_matmul_is_ieee())
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""

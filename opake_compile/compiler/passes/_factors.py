@@ -289,6 +289,8 @@ def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     could move the others' contributions)."""
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
+    if any(not f.onehot and val(f.a).dtype == torch.float64 for f in factors):
+        return False  # a float64 factor would be rounded by the cast to float32 Grams
     if all(f.k == 1 and not f.onehot for f in factors):
         return False  # rank one: no Gram matrix, only sums of squares (bounded above)
     g_r, g_c = _gram_gammas(factors)
