@@ -211,8 +211,7 @@ def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
     n = shape(x)[2]
     if acc != torch.float32 or n <= GRAM_CHUNK:
         return em(aten.bmm.default, x, y)
-    chunks = -(-n // GRAM_CHUNK)
-    size = -(-n // chunks)
+    size = _gram_slice(n)
     total = None
     for start in range(0, n, size):
         stop = min(n, start + size)
@@ -230,9 +229,15 @@ def _gram_entry_gamma(n: int) -> float:
     u = unit_roundoff(torch.float32, matmul=True)
     if n <= GRAM_CHUNK:
         return gamma(n, u)
-    chunks = -(-n // GRAM_CHUNK)
-    g = gamma(-(-n // chunks), u)
-    return g + gamma(chunks, unit_roundoff(NORM_DTYPE)) * (1.0 + g)
+    size = _gram_slice(n)
+    g = gamma(size, u)
+    return g + gamma(-(-n // size), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
+
+
+def _gram_slice(n: int) -> int:
+    """The slice length :func:`_gram` cuts a contraction of n > GRAM_CHUNK terms into: as
+    even as possible, at most GRAM_CHUNK (the bound and the product read it from here)."""
+    return -(-n // -(-n // GRAM_CHUNK))
 
 
 #: View ops: two chains of them with the same arguments over the same node alias the same
