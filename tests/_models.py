@@ -344,3 +344,24 @@ class MathTransformer(nn.Module):
         h = h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
         h = self.lnf(h)
         return F.linear(h, self.tok.weight) if self.head is None else self.head(h)
+
+
+def tiny_ctc_model(family: str, **overrides: Any) -> nn.Module:
+    """A tiny transformers ``*ForCTC`` (``"wav2vec2"`` or ``"hubert"``) with its config's
+    defaults (LayerDrop, SpecAugment, dropout, blank = pad_token_id = 0) unless overridden,
+    built under seed 0, in training mode. Needs ``transformers`` (callers skip without it)."""
+    import transformers
+
+    kw = dict(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4),
+        conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
+        vocab_size=5, attn_implementation="eager",
+    )
+    kw.update(overrides)
+    config_cls, model_cls = {
+        "wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
+        "hubert": (transformers.HubertConfig, transformers.HubertForCTC),
+    }[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return model_cls(config_cls(**kw)).train()

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opake_compile as opake
-from _models import loop_reference, seeded
+from _models import loop_reference, seeded, tiny_ctc_model
 from opake_compile._ctc import ctc_loss as _ctc_loss
 
 B, P = 5, 3
@@ -210,24 +210,6 @@ def test_user_loss_with_f_ctc_loss_matches_microbatch_oracle() -> None:
 transformers = pytest.importorskip("transformers")
 
 
-def _ctc_model(family: str, **overrides):  # noqa: ANN003, ANN202
-    """A tiny ``*ForCTC`` with its config's defaults (LayerDrop, SpecAugment, dropout, blank =
-    pad_token_id = 0, ``ctc_loss_reduction="sum"``) unless overridden; training mode."""
-    kw = dict(
-        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4),
-        conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
-        vocab_size=5, attn_implementation="eager",
-    )
-    kw.update(overrides)
-    config_cls, model_cls = {
-        "wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
-        "hubert": (transformers.HubertConfig, transformers.HubertForCTC),
-    }[family]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return model_cls(config_cls(**kw)).train()
-
-
 def _speech_batch() -> tuple:
     """120 samples (13 frames); labels padded with -100, one empty, one with a blank (0) in the
     middle (transformers drops it, as ``masked_select`` does), one with a repeat."""
@@ -255,7 +237,7 @@ def test_wav2vec2_ctc_with_labels_matches_microbatch_oracle() -> None:
     fails and releases nothing."""
     from transformers.loss import loss_utils
 
-    model = _ctc_model("wav2vec2", **_NO_RANDOMNESS)
+    model = tiny_ctc_model("wav2vec2", **_NO_RANDOMNESS)
     mapping = dict(loss_utils.LOSS_MAPPING)
     args = _speech_batch()
     _, norms = loop_reference(model, _labels_loss, args, 1e6)
@@ -291,7 +273,7 @@ def test_default_config_ctc_model_trains_with_its_labels(family: str) -> None:
     """The default config (LayerDrop, SpecAugment, dropout on) in training mode: the step runs
     with labels, gives finite clipped gradients that reach the head and ``masked_spec_embed``,
     and replays from its key."""
-    model = _ctc_model(family)
+    model = tiny_ctc_model(family)
     assert model.config.layerdrop > 0 and model.config.mask_time_prob > 0
     step = opake.compile_dp(
         _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(7)
@@ -314,7 +296,7 @@ def test_out_of_vocabulary_label_is_refused_before_the_step_runs() -> None:
     ``DPOptimizer``. The refusal names the model, the value and the vocabulary size and changes
     nothing (parameters, the step's key and sizes, the optimizer, the global generator); an
     in-vocabulary batch afterwards trains."""
-    model = _ctc_model("wav2vec2")
+    model = tiny_ctc_model("wav2vec2")
     step = opake.compile_dp(
         _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
     )

@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opake_compile as opake
-from _models import loop_reference, seeded
+from _models import loop_reference, seeded, tiny_ctc_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -437,17 +437,7 @@ def _frame_loss(m: nn.Module, x: torch.Tensor, mask: torch.Tensor, y: torch.Tens
 
 def _ctc_model(family: str, **overrides):  # noqa: ANN003, ANN202
     """A tiny ``*ForCTC`` with the config's DEFAULT SpecAugment and LayerDrop (training mode)."""
-    kw = dict(
-        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, conv_dim=(4, 4),
-        conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4, num_conv_pos_embedding_groups=2,
-        vocab_size=3, attn_implementation="eager",
-    )
-    kw.update(overrides)
-    config_cls, model_cls = {
-        "wav2vec2": (transformers.Wav2Vec2Config, transformers.Wav2Vec2ForCTC),
-        "hubert": (transformers.HubertConfig, transformers.HubertForCTC),
-    }[family]
-    return _build(lambda: model_cls(config_cls(**kw))).train()
+    return tiny_ctc_model(family, **{"vocab_size": 3, **overrides})
 
 
 @pytest.mark.parametrize("family", ["wav2vec2", "hubert"])
