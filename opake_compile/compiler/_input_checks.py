@@ -41,7 +41,7 @@ class InputCheck:
         value: maps the graph's tensor argument leaves (batched ones with ``P`` rows, in the
             graph's input order) to the checked tensor, batch dimension first ``(P, ...)``.
         test: see :data:`Test`.
-        what: what is checked, for :meth:`~opake_compile.compiler.step.DPStep.describe`.
+        what: what is checked (the tracer's warning names it when a check has to be dropped).
     """
 
     value: fx.GraphModule
