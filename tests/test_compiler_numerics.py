@@ -537,14 +537,17 @@ def _positions_batch(p: int, k: int, r: int, c: int, kind: str, seed: int) -> tu
     return x, w
 
 
-@pytest.mark.parametrize("r", [64, 2500])
+@pytest.mark.parametrize("r, k", [(64, 16), (2500, 16), (2500, 300)])
 @pytest.mark.parametrize("kind", ["cancel", "aligned", "random"])
-def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r):
+def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r, k):
     """Shapes where the float32 Gram form applies (fast_gram_ok): every kept example's norm is
     at least the exact norm of the gradient of its float32 inputs (computed in float64). With
     the float32 rounding bound removed, near-cancelling examples come out below it. R = 2500
-    contracts A's Gram over more than GRAM_CHUNK terms: float32 products added in float64."""
-    p, k, c = 48, 16, 64
+    contracts A's Gram over more than GRAM_CHUNK terms: float32 products added in float64.
+    K = 300 positions forms the symmetric Grams in panels (3 of 100 rows), with cancelling
+    pairs of positions straddling panel edges (and C = 384, where the Gram form is the
+    cheaper one)."""
+    p, c = 48, (64 if k < 128 else 384)
     lin = nn.Linear(r, c, bias=False)
     x, w = _positions_batch(p, k, r, c, kind, seed=11)
     step = compile_dp(lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum(), model=lin, clipping_norm=1.0, backend="aot_eager")
@@ -554,7 +557,15 @@ def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r):
     assert (g_r + g_c) * math.sqrt(k) <= _factors.FAST_GRAM_OVERCLIP
     graph = next(iter(step._cache.values())).traced.gm.graph
     products = [n for n in graph.nodes if n.target is torch.ops.aten.bmm.default]
-    assert len(products) == -(-r // _factors.GRAM_CHUNK) + 1  # A's Gram in slices of at most GRAM_CHUNK, B's
+    # Every float32 Gram product runs over at most GRAM_CHUNK terms, and together they form
+    # each entry of the panels (the upper triangle of blocks) once per slice of A's R and
+    # B's C terms: R = 2500 in 20 slices of 125.
+    shapes = [n.args[0].meta["val"].shape + n.args[1].meta["val"].shape[2:] for n in products]
+    assert all(n <= _factors.GRAM_CHUNK for _, _, n, _ in shapes)
+    slices = -(-r // _factors.GRAM_CHUNK) + -(-c // _factors.GRAM_CHUNK)
+    panel_entries = sum((stop - start) * (k - start) for start, stop in _factors._panel_rows(k))
+    assert sum(b * m * n for b, m, _, n in shapes) == p * slices * panel_entries
+    assert panel_entries == (k * k if k < 128 else 100 * 300 + 100 * 200 + 100 * 100)
     exact = torch.einsum("pkc,pkr->pcr", w.double(), x.double()).flatten(1).norm(dim=1)
     kept = torch.isfinite(got)
     assert int(kept.sum()) == p
@@ -562,6 +573,24 @@ def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r):
     assert bool((got >= exact * (1 - 2.0**-23)).all()), (got / exact).min()
     if kind == "random":
         assert float((got / exact).max()) <= 1 + _factors.FAST_GRAM_OVERCLIP  # ordinary data: tight
+
+
+@pytest.mark.parametrize("kind", ["cancel", "aligned", "random"])
+def test_float64_gram_panels_give_the_exact_norm(kind):
+    """Float64 Gram matrices in panels (K = 300 positions: 3 panels of 100 rows) on a float64
+    layer: the norms and the S used for the rounding bound read the diagonal blocks; every
+    norm is at least the exact one and ordinary ones within 1e-7 of it."""
+    p, k, r, c = 6, 300, 48, 40
+    lin = nn.Linear(r, c, bias=False).double()
+    x, w = (t.double() for t in _positions_batch(p, k, r, c, kind, seed=5))
+    step = compile_dp(lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum(), model=lin, clipping_norm=1.0,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": "ghost"})])
+    got = step(x, w).clipped.per_example_norms.double()
+    assert step.coverage["weight"] == "ghost:linear" and len(_factors._panel_rows(k)) == 3
+    exact = torch.einsum("pkc,pkr->pcr", w, x).flatten(1).norm(dim=1)
+    assert bool((got >= exact * (1 - 1e-12)).all()), (got / exact).min()
+    if kind != "cancel":
+        assert float((got / exact).max()) <= 1 + 1e-7  # the float64 bound: ~1e-11 S^2
 
 
 def test_an_examples_norm_depends_on_that_example_alone():

@@ -135,14 +135,16 @@ def ghost_cost(factors: list[Factor], p: int, gram_cost_factor: int = GRAM_COST_
     """Cost of the Gram-matrix norms: per pair of terms, ``P K_f K_g (R + C)`` for dense left
     factors, ``P K_f K_g (1 + C)`` when a one-hot factor turns its Gram into a gather or a
     comparison, times ``gram_cost_factor`` (:data:`GRAM_COST_FACTOR` for float64 Gram
-    matrices, 1 for float32 ones). (The book-keeping sum costs what the non-private weight
-    gradient costs.)"""
-    total = 0
+    matrices, 1 for float32 ones); a term with itself computes only the panels of its
+    symmetric Grams (:func:`_panel_share`). (The book-keeping sum costs what the non-private
+    weight gradient costs.)"""
+    total = 0.0
     for f in factors:
         for g in factors:
             left = 1 if (f.onehot or g.onehot) else f.rows
-            total += p * f.groups * f.k * g.k * (left + f.cols)
-    return gram_cost_factor * total
+            share = _panel_share(f.k) if f is g else 1.0
+            total += p * f.groups * f.k * g.k * (left + f.cols) * share
+    return int(gram_cost_factor * total)
 
 
 def merge_groups(em: Emitter, sq: fx.Node, mass_sq: fx.Node, groups: int) -> tuple[fx.Node, fx.Node]:
@@ -201,13 +203,15 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
 #: The longest contraction one float32 Gram product runs over: a longer one (an LM head's
 #: vocabulary, a wide MLP) is split into products over at most this many terms, added in
 #: float64, so each entry's rounding bound is that of GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
-GRAM_CHUNK = 256
+GRAM_CHUNK = 128
 
 
 def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
     """``bmm(x, y)`` for ``x`` (P, K1, n) and ``y`` (P, n, K2). In float32 with n above
     :data:`GRAM_CHUNK`: one product per slice of at most GRAM_CHUNK of the n terms, each cast
-    to float64 (exact) and added there; the result is then float64."""
+    to float64 (exact) and added there; the result is then float64. (The backend fuses the
+    casts and additions into one pass over the partial products; stacking the slices into
+    one batched product instead needs a copy of the factor and measured slower.)"""
     n = shape(x)[2]
     if acc != torch.float32 or n <= GRAM_CHUNK:
         return em(aten.bmm.default, x, y)
@@ -218,6 +222,85 @@ def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
         part = em(aten.bmm.default, em(aten.slice.Tensor, x, 2, start, stop), em(aten.slice.Tensor, y, 1, start, stop))
         part = em(aten._to_copy.default, part, dtype=NORM_DTYPE)
         total = part if total is None else em(aten.add.Tensor, total, part)
+    return total
+
+
+def _gram_a_panels(em: Emitter, f: Factor, acc: torch.dtype) -> list[fx.Node]:
+    """``A_f^T A_f`` per example in the panels of :func:`_sym_panels`."""
+    if f.onehot:  # a comparison of ids: nothing to save, cut the full matrix
+        return _as_panels(em, _gram_a(em, f, f, acc))
+    return _sym_panels(em, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), acc)
+
+
+def _frobenius(em: Emitter, blocks: list[tuple[fx.Node, float]]) -> fx.Node:
+    """The Frobenius norm of a float64 Gram matrix given as weighted blocks (:func:`_panel_blocks`)."""
+    return em(aten.sqrt.default, _weighted_sum(em, [
+        (em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, x), [1, 2]), w) for x, w in blocks
+    ]))
+
+
+#: Symmetric Gram matrices (a term's own ``A^T A`` and ``B B^T``) are formed as horizontal
+#: panels of about this many rows, each from its diagonal block to the last column: the
+#: upper triangle of blocks, ``(b + 1) / (2 b)`` of the full product for b panels (3/4 at
+#: K = 256, 5/8 at K = 512), the lower triangle being its mirror (:func:`_sym_panels`).
+#: Narrower panels (64 rows) measured no faster on GPT-2 width at T = 256 and compiled slower.
+GRAM_PANEL = 128
+
+
+def _panel_rows(k: int) -> list[tuple[int, int]]:
+    """Row ranges ``(start, stop)`` of the panels of a symmetric K x K Gram matrix: as even
+    as possible, about :data:`GRAM_PANEL` rows each; one panel (the full matrix) below
+    ``2 GRAM_PANEL``, where splitting saves little and costs calls."""
+    if k < 2 * GRAM_PANEL:
+        return [(0, k)]
+    size = -(-k // -(-k // GRAM_PANEL))
+    return [(start, min(k, start + size)) for start in range(0, k, size)]
+
+
+def _panel_share(k: int) -> float:
+    """The share of a symmetric K x K Gram matrix's entries that its panels compute."""
+    return sum((stop - start) * (k - start) for start, stop in _panel_rows(k)) / (k * k)
+
+
+def _sym_panels(em: Emitter, x: fx.Node, acc: torch.dtype) -> list[fx.Node]:
+    """The panels of ``x x^T`` for ``x`` (P, K, n): panel ``[start, stop)`` is rows
+    ``start:stop`` and columns ``start:K`` of the Gram matrix, (P, stop - start, K - start),
+    formed by :func:`_gram` (so its entries carry the same rounding bound as the full
+    product's). The entries left out are the mirror images of computed ones."""
+    k = shape(x)[1]
+    xt = em(aten.transpose.int, x, 1, 2)
+    return [
+        _gram(em, em(aten.slice.Tensor, x, 1, start, stop), em(aten.slice.Tensor, xt, 2, start, k), acc)
+        for start, stop in _panel_rows(k)
+    ]
+
+
+def _as_panels(em: Emitter, g: fx.Node) -> list[fx.Node]:
+    """A full symmetric (P, K, K) Gram matrix cut into the panels of :func:`_sym_panels`
+    (views), to pair it with panels."""
+    k = shape(g)[1]
+    return [em(aten.slice.Tensor, em(aten.slice.Tensor, g, 1, start, stop), 2, start, k) for start, stop in _panel_rows(k)]
+
+
+def _panel_blocks(em: Emitter, panels: list[fx.Node]) -> list[tuple[fx.Node, float]]:
+    """Each panel as its diagonal block (weight 1) and the block right of it (weight 2: it
+    stands for itself and its mirror below the diagonal), so that ``sum_blocks weight *
+    sum(block entries)`` is a sum over every entry of the symmetric matrix once."""
+    out = []
+    for panel in panels:
+        w, width = shape(panel)[1], shape(panel)[2]
+        out.append((em(aten.slice.Tensor, panel, 2, 0, w), 1.0))
+        if width > w:
+            out.append((em(aten.slice.Tensor, panel, 2, w, width), 2.0))
+    return out
+
+
+def _weighted_sum(em: Emitter, parts: list[tuple[fx.Node, float]]) -> fx.Node:
+    """``sum_j weight_j * part_j`` for (P,) parts (weights 1 or 2: exact)."""
+    total = None
+    for node, weight in parts:
+        node = node if weight == 1.0 else em(aten.mul.Tensor, node, weight)
+        total = node if total is None else em(aten.add.Tensor, total, node)
     return total
 
 
@@ -376,23 +459,38 @@ def emit_sq_norm(
                 if k == j and not fast:
                     s_parts.append(em(aten.sqrt.default, term))
             else:
-                ga = _gram_a(em, f, g, acc)
-                gb = cached(("gram",) + b_key, lambda: _gram(em, bs[j], em(aten.transpose.int, bs[k], 1, 2), acc))
-                if fast:  # products of two float32 entries are exact in float64: reduce there
-                    ga, gb = _as_dtype(em, ga, NORM_DTYPE), _as_dtype(em, gb, NORM_DTYPE)
+                # A term with itself (k == j) has symmetric Grams: formed in panels, the upper
+                # triangle of blocks only, each block weighted 1 (diagonal) or 2 (it and its
+                # mirror), so every entry of the full matrices is counted once.
+                sym = k == j and len(_panel_rows(f.k)) > 1
+
+                def blocks(panels: list[fx.Node]) -> list[tuple[fx.Node, float]]:
+                    if fast:  # products of two float32 entries are exact in float64: reduce there
+                        panels = [_as_dtype(em, x, NORM_DTYPE) for x in panels]
+                    return _panel_blocks(em, panels) if sym else [(panels[0], 1.0)]
+
+                ga = blocks(_gram_a_panels(em, f, acc) if sym else [_gram_a(em, f, g, acc)])
+                gb = cached(("gram", sym) + b_key, lambda: blocks(
+                    _sym_panels(em, bs[j], acc) if sym else [_gram(em, bs[j], em(aten.transpose.int, bs[k], 1, 2), acc)]
+                ))
+                if fast:
                     # Frobenius norms of the computed Grams, for _bound_rounding: squares of
                     # float32 numbers are exact in float64, their sum within gamma_{K^2}(u_64).
-                    fro_a = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, ga, [shape(ga)[0], -1])))
-                    fro_b = cached(("fro",) + b_key, lambda: em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, gb, [shape(gb)[0], -1]))))
+                    fro_a = _frobenius(em, ga)
+                    fro_b = cached(("fro", sym) + b_key, lambda: _frobenius(em, gb))
                     # A one-hot factor's Gram entries are exact (comparisons, gathers).
                     frob_parts.append((j, k, fro_a, fro_b, f.onehot or g.onehot))
-                term = em(aten.sum.dim_IntList, em(aten.mul.Tensor, ga, gb), [1, 2])
+                term = _weighted_sum(em, [
+                    (em(aten.sum.dim_IntList, em(aten.mul.Tensor, xa, xb), [1, 2]), w) for (xa, w), (xb, _) in zip(ga, gb)
+                ])
                 if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
-                    # cancellation, and already computed.
-                    da = em(aten.diagonal.default, ga, 0, 1, 2)
-                    db = em(aten.diagonal.default, gb, 0, 1, 2)
-                    s_parts.append(em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, da, db)), [1]))
+                    # cancellation, and already computed (in the diagonal blocks, weight 1).
+                    for (xa, w), (xb, _) in zip(ga, gb):
+                        if w == 1.0:
+                            da = em(aten.diagonal.default, xa, 0, 1, 2)
+                            db = em(aten.diagonal.default, xb, 0, 1, 2)
+                            s_parts.append(em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, da, db)), [1]))
             if k != j:
                 term = em(aten.mul.Tensor, term, 2.0)
             total = term if total is None else em(aten.add.Tensor, total, term)
