@@ -232,11 +232,12 @@ def _gram_a_panels(em: Emitter, f: Factor, acc: torch.dtype) -> list[fx.Node]:
     return _sym_panels(em, em(aten.transpose.int, _as_dtype(em, f.a, acc), 1, 2), acc)
 
 
-def _frobenius(em: Emitter, blocks: list[tuple[fx.Node, float]]) -> fx.Node:
-    """The Frobenius norm of a float64 Gram matrix given as weighted blocks (:func:`_panel_blocks`)."""
-    return em(aten.sqrt.default, _weighted_sum(em, [
-        (em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, x), [1, 2]), w) for x, w in blocks
-    ]))
+def _block_inner(em: Emitter, xs: list[tuple[fx.Node, float]], ys: list[tuple[fx.Node, float]]) -> fx.Node:
+    """``<X, Y>`` per example, (P,), for two matrices given as the same weighted blocks
+    (:func:`_panel_blocks`, or one block of weight 1): ``sum_j weight_j * sum(X_j * Y_j)``."""
+    return _weighted_sum(em, [
+        (em(aten.sum.dim_IntList, em(aten.mul.Tensor, x, y), [1, 2]), w) for (x, w), (y, _) in zip(xs, ys)
+    ])
 
 
 #: Symmetric Gram matrices (a term's own ``A^T A`` and ``B B^T``) are formed as horizontal
@@ -484,13 +485,11 @@ def emit_sq_norm(
                 if fast:
                     # Frobenius norms of the computed Grams, for _bound_rounding: squares of
                     # float32 numbers are exact in float64, their sum within gamma_{K^2}(u_64).
-                    fro_a = _frobenius(em, ga)
-                    fro_b = cached(("fro", sym) + b_key, lambda: _frobenius(em, gb))
+                    fro_a = em(aten.sqrt.default, _block_inner(em, ga, ga))
+                    fro_b = cached(("fro", sym) + b_key, lambda: em(aten.sqrt.default, _block_inner(em, gb, gb)))
                     # A one-hot factor's Gram entries are exact (comparisons, gathers).
                     frob_parts.append((j, k, fro_a, fro_b, f.onehot or g.onehot))
-                term = _weighted_sum(em, [
-                    (em(aten.sum.dim_IntList, em(aten.mul.Tensor, xa, xb), [1, 2]), w) for (xa, w), (xb, _) in zip(ga, gb)
-                ])
+                term = _block_inner(em, ga, gb)
                 if k == j and not fast:
                     # diag(A^T A)_k diag(B B^T)_k = ||a_k||^2 ||b_k||^2: sums of squares, no
                     # cancellation, and already computed (in the diagonal blocks, weight 1).
