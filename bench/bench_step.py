@@ -393,7 +393,8 @@ def peak_step_bytes(fn: Callable[[], Any], device: str) -> tuple[float, str]:
     CUDA: torch.cuda.max_memory_allocated. CPU: the PyTorch profiler's memory events (every
     c10 CPU-allocator allocation/free inside the window, with a running "Total Allocated"
     that includes what was allocated before the window); the peak of that counter above its
-    value when the window opened is the step's working memory. Inductor's CPU wrapper allocates its buffers through the same allocator.
+    value when the window opened is the step's working memory. Inductor's CPU wrapper
+    allocates its buffers through the same allocator.
     """
     import torch
 
