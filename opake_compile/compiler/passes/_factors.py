@@ -64,6 +64,8 @@ __all__ = [
     "emit_clipped_sum",
     "merge_groups",
     "merge_parts",
+    "value_key",
+    "view_root",
 ]
 
 
@@ -85,6 +87,9 @@ class Factor:
             ``P * groups`` blocks, example-major, block ``(i, j)`` giving rows
             ``[j R, (j + 1) R)`` of example i's ``(groups * R, C)`` gradient. Norms are per
             block and added (:func:`merge_groups`); the sum is one product per group.
+        input_side: which factor holds the layer's inputs, ``"a"`` or ``"b"`` (``None``: not
+            known, or not worth it). Float32 Gram norms centre that side first
+            (:func:`_centre`): inputs are where positions share a direction.
     """
 
     rule: str
@@ -95,6 +100,7 @@ class Factor:
     padding_idx: int | None = None
     cleanup: tuple[fx.Node, ...] = ()
     groups: int = 1
+    input_side: str | None = None
 
     @property
     def k(self) -> int:
@@ -206,13 +212,32 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
 GRAM_CHUNK = 128
 
 
+#: A float32 Gram product with at most this many rows or columns (a centred term against its
+#: rank-two part, :func:`_centre`) is a matrix-vector product, bound by memory, not flops.
+THIN = 2
+
+
 def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
     """``bmm(x, y)`` for ``x`` (P, K1, n) and ``y`` (P, n, K2). In float32 with n above
     :data:`GRAM_CHUNK`: one product per slice of at most GRAM_CHUNK of the n terms, each cast
     to float64 (exact) and added there; the result is then float64. (The backend fuses the
     casts and additions into one pass over the partial products; stacking the slices into
-    one batched product instead needs a copy of the factor and measured slower.)"""
-    n = shape(x)[2]
+    one batched product instead needs a copy of the factor and measured slower.) A thin
+    float32 product (K1 or K2 at most :data:`THIN`) is one float64 reduction instead: products
+    of float32 numbers are exact there and the sum errs by ``gamma_n(u_64)``, inside the
+    float32 bound the callers assume (:func:`_gram_entry_gamma`); one pass over the larger
+    factor, no slices."""
+    n, k1, k2 = shape(x)[2], shape(x)[1], shape(y)[2]
+    if acc == torch.float32 and min(k1, k2) <= THIN:
+        # One reduction per column (row) of the thin side, each over the wide side in its
+        # own layout: the backend vectorises along K there (one broadcast reduction into a
+        # (P, K, 2) result did not vectorise and cost 9 ms per layer at K = 256, width 768).
+        x64, y64 = _as_dtype(em, x, NORM_DTYPE), _as_dtype(em, y, NORM_DTYPE)
+        if k2 <= THIN:
+            parts = [em(aten.sum.dim_IntList, em(aten.mul.Tensor, x64, em(aten.unsqueeze.default, em(aten.select.int, y64, 2, j), 1)), [2]) for j in range(k2)]
+            return em(aten.stack.default, parts, 2)
+        parts = [em(aten.sum.dim_IntList, em(aten.mul.Tensor, em(aten.unsqueeze.default, em(aten.select.int, x64, 1, i), 2), y64), [1]) for i in range(k1)]
+        return em(aten.stack.default, parts, 1)
     if acc != torch.float32 or n <= GRAM_CHUNK:
         return em(aten.bmm.default, x, y)
     size = _gram_slice(n)
@@ -355,6 +380,13 @@ def value_key(node: fx.Node) -> object:
     return node
 
 
+def view_root(node: fx.Node) -> fx.Node:
+    """The node ``node`` is a chain of view ops (:data:`_PURE_VIEWS`) of."""
+    while node.op == "call_function" and node.target in _PURE_VIEWS and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 def _b_key(f: Factor) -> object:
     """What ``_b_of(f)`` depends on: B, and for a one-hot factor with a padding id also the ids
     (they choose the rows that are zeroed): two embeddings summed into one output share B
@@ -377,13 +409,11 @@ def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     from one batch's values would change every later example's clip factor, so one example
     could move the others' contributions).
 
-    Known limit (utility, not privacy: the bound stays an upper bound): output gradients that
-    sum to zero over positions (a separate key projection: softmax is shift invariant)
-    against inputs sharing one direction cancel in the exact norm but not in the bound,
-    which sees the shared direction's ``||G_B||_F``. Measured at R = C = 768 with the shared
-    part 2-3x the rest: 0.4-1.2 % at K = 256, 0.9-2.5 % at K = 512 for that parameter's norm
-    (a fused q/k/v weight does not cancel). The estimate here does not cover it; a Gram of
-    centred factors plus a rank-one term would."""
+    Output gradients that sum to zero over positions (a separate key projection: softmax is
+    shift invariant) against inputs sharing one direction cancel in the exact norm; the
+    bound would see the shared direction's ``||G_B||_F`` (1-3 % over at K = 256, width 768)
+    but for the centring of dense terms (:func:`_emit_centred`), which leaves it out: 0.02 %
+    at K = 256 and 0.03 % at K = 512 with the shared part 5-20x the rest."""
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
     if any(not f.onehot and val(f.a).dtype == torch.float64 for f in factors):
@@ -401,7 +431,13 @@ FAST_GRAM_OVERCLIP = 4e-3
 
 
 def emit_sq_norm(
-    em: Emitter, factors: list[Factor], grams: dict | None = None, gram_dtype: torch.dtype = NORM_DTYPE
+    em: Emitter,
+    factors: list[Factor],
+    grams: dict | None = None,
+    gram_dtype: torch.dtype = NORM_DTYPE,
+    *,
+    centre: bool = True,
+    fast_norms: tuple | None = None,
 ) -> tuple[fx.Node, fx.Node]:
     """Ghost norm: an upper bound on the per-example squared Frobenius norm of
     ``sum_j A^j B^j`` and the example's mass, both shape (P,) in float64.
@@ -417,7 +453,10 @@ def emit_sq_norm(
     gamma_C ||B||^2 ||A^T A||_F + ...``, about sqrt(K) times smaller when positions do not
     line up) and a bound for float32 underflow (:func:`_bound_underflow`), with S and the
     Frobenius norms from bounded per-position norms. Rank-one terms use sums of squares
-    bounded above (``emit_sum_sq_bound``).
+    bounded above (``emit_sum_sq_bound``). Dense float32 terms over at least
+    :data:`CENTRE_MIN_K` positions are centred first (:func:`_emit_centred`), so that a
+    direction their positions share does not enter the rounding bound (``centre=False``: the
+    centred system itself, whose position norms the caller passes as ``fast_norms``).
 
     Returns:
         ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
@@ -429,6 +468,8 @@ def emit_sq_norm(
     """
     grams = {} if grams is None else grams
     fast = gram_dtype != NORM_DTYPE
+    if fast and centre and any(_centres(f) for f in factors):
+        return _emit_centred(em, factors, grams, gram_dtype)
     acc = gram_dtype
     unscale = None
     if not fast and any(val(f.b).dtype == NORM_DTYPE for f in factors):
@@ -436,7 +477,8 @@ def emit_sq_norm(
         # underflow (an example with |a| ~ 1e-170, |b| ~ 1e170 would get norm 0 and escape
         # clipping). Scale them by exact powers of two first and undo it at the end.
         factors, unscale = _rescale_float64(em, factors, grams)
-    fast_norms = _position_norms(em, factors) if fast else None
+    if fast and fast_norms is None:
+        fast_norms = _position_norms(em, factors, grams)
 
     def cached(key: tuple, make):  # noqa: ANN001, ANN202
         if key not in grams:
@@ -519,22 +561,160 @@ def emit_sq_norm(
     return total, mass_sq
 
 
-def _position_norms(em: Emitter, factors: list[Factor]) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node], list[fx.Node]]:
+#: Dense terms over at least this many positions are centred before their float32 Gram
+#: matrices are formed (:func:`_emit_centred`); below it the shared direction costs little
+#: (the bound's excess grows with K) and the extra nodes would only slow compilation.
+CENTRE_MIN_K = 16
+
+
+def _centres(f: Factor) -> bool:
+    return not f.onehot and f.input_side is not None and f.k >= CENTRE_MIN_K
+
+
+def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Factor, Factor]:
+    """One dense term ``A B`` as a term with its input side centred and a rank-one term, in
+    ``acc`` (float32).
+
+    Inputs ``B`` (``f.input_side == "b"``): from ``sigma = fl_64(B^T 1)`` (C,), a float64 sum
+    over positions, the mean ``m = fl(sigma / K)`` (any value would do: only the tensors used
+    below enter the identity) and ``B' = fl(B - 1 m^T)``, so that exactly ``B = B' + 1 m^T +
+    D`` with ``|D| <= u_32 |x|`` entrywise for the exact difference x (a subtraction whose
+    result is subnormal is exact): ``||D|| <= 2 u_32 ||B'||``. Then::
+
+        A B = A B' + s m^T + A D,    s = A 1 (R,), computed as fl(fl_64(A 1))
+
+    and the terms returned are ``(A, B')`` (K positions) and ``(s, m^T)`` (one). Inputs ``A``
+    are the mirror image: ``A B = A' B + u t^T + D B`` with ``u`` the mean of A's columns and
+    ``t = B^T 1``. The errors (``D`` and the rounding of ``s``) are bounded in
+    :func:`_emit_centred`. The centred B and its mean depend on B alone and are cached
+    (``grams``): q/k/v projections reading one input share them and the Gram matrices
+    formed from them.
+
+    Returns:
+        ``(centred, low)``: the two terms.
+    """
+    k = f.k
+    if f.input_side == "b":
+        key = ("centred", _b_key(f), acc)
+        if key not in grams:
+            b = _as_dtype(em, f.b, acc)
+            sigma = em(aten.sum.dim_IntList, _as_dtype(em, b, NORM_DTYPE), [1], True)  # (P, 1, C)
+            m = _as_dtype(em, em(aten.div.Tensor, sigma, float(k)), acc)
+            grams[key] = (em(aten.sub.Tensor, b, m), m)
+        b_c, m = grams[key]
+        s = em(aten.sum.dim_IntList, _as_dtype(em, _as_dtype(em, f.a, acc), NORM_DTYPE), [2], True)  # (P, R, 1)
+        centred = dataclasses.replace(f, b=b_c, cleanup=())
+        low = dataclasses.replace(f, a=_as_dtype(em, s, acc), b=m, cleanup=())
+        return centred, low
+    a = _as_dtype(em, f.a, acc)
+    sigma = em(aten.sum.dim_IntList, _as_dtype(em, a, NORM_DTYPE), [2], True)  # (P, R, 1)
+    u = _as_dtype(em, em(aten.div.Tensor, sigma, float(k)), acc)
+    if val(f.a).stride(1) == 1:
+        # A is the transpose of a (P, K, R) activation (x^T for ``x @ W``): centre in that
+        # layout, so that A' is written as x is stored, not transposed on the way.
+        a_c = em(aten.transpose.int, em(aten.sub.Tensor, em(aten.transpose.int, a, 1, 2), em(aten.transpose.int, u, 1, 2)), 1, 2)
+    else:
+        a_c = em(aten.sub.Tensor, a, u)
+    key = ("colsum", _b_key(f), acc)
+    if key not in grams:
+        b64 = _as_dtype(em, _as_dtype(em, f.b, acc), NORM_DTYPE)
+        grams[key] = _as_dtype(em, em(aten.sum.dim_IntList, b64, [1], True), acc)
+    t = grams[key]  # (P, 1, C)
+    centred = dataclasses.replace(f, a=a_c, cleanup=())
+    low = dataclasses.replace(f, a=u, b=t, cleanup=())
+    return centred, low
+
+
+def _emit_centred(em: Emitter, factors: list[Factor], grams: dict, gram_dtype: torch.dtype) -> tuple[fx.Node, fx.Node]:
+    """:func:`emit_sq_norm` with float32 Grams of terms whose input side is centred
+    (:func:`_centre`).
+
+    Why: where positions share a direction (anisotropic hidden states: a large common
+    component of every input row) the Frobenius rounding bound reads ``||B B^T||_F``, which
+    that direction dominates, even when the exact norm does not see it: output gradients that
+    sum to zero over positions (a separate key projection; softmax is shift invariant) cancel
+    it exactly. Uncentred, such a parameter's norm came out 1-3 % above the exact one at
+    K = 256, width 768. Centred, the shared direction is one rank-one term.
+
+    Bound: the centred system ``X = sum_j (A_j B'_j + s_j m_j^T)`` is an ordinary list of
+    terms, so :func:`emit_sq_norm` bounds ``||X||^2``; per term centred on B, ``A B - X_j =
+    A D + e_s m^T`` with ``e_s = A 1 - s``, so ``||G - X|| <= E = sum_j (2 u_32 ||A|| ||B'||
+    + ||e_s|| ||m||)``, where ``||e_s|| <= gamma_K(u_64) sqrt(K) ||A|| + 2 u_32 ||s|| + sqrt(R)
+    2^-149`` (the float64 sum, its rounding to float32 with underflow); a term centred on A
+    is the mirror image. Every norm here is an upper bound from :func:`_position_norms` or
+    ``emit_sum_sq_bound``. The result is ``(sqrt(||X||^2 bound) + E)^2`` (rounded up); on
+    ordinary data E is about ``2 u_32 sqrt(K)`` of the norm.
+
+    The mass ``S`` (what enters the book-keeping sum) is that of the original terms.
+    """
+    acc = gram_dtype
+    system, centred = [], []  # centred: (index in factors, index of the centred term in system)
+    for j, f in enumerate(factors):
+        if _centres(f):
+            centred.append((j, len(system)))
+            system += list(_centre(em, f, acc, grams))
+        else:
+            system.append(f)
+    norms = _position_norms(em, system, grams)
+    sq, _ = emit_sq_norm(em, system, grams, gram_dtype, centre=False, fast_norms=norms)
+    _, _, _, per_a, per_b = norms
+    mass, _, _, orig_a, orig_b = _position_norms(em, factors, grams)
+    eps = 4.0 * unit_roundoff(torch.float32)  # 2 u_32: a rounding to float32, with margin
+
+    def root(x: fx.Node) -> fx.Node:
+        return em(aten.sqrt.default, x)
+
+    def prod(*xs: fx.Node | float) -> fx.Node:
+        out = xs[0]
+        for x in xs[1:]:
+            out = em(aten.mul.Tensor, out, x)
+        return out
+
+    err = None
+    for j, i in centred:
+        f = factors[j]
+        # The side kept whole (its norm, of the original factor) and the centred one (||B'||).
+        if f.input_side == "b":
+            whole, centred_norm, n_sum, n_mean, wide = root(orig_a[j]), root(per_b[i]), root(per_a[i + 1]), root(per_b[i + 1]), f.rows
+        else:
+            whole, centred_norm, n_sum, n_mean, wide = root(orig_b[j]), root(per_a[i]), root(per_b[i + 1]), root(per_a[i + 1]), f.cols
+        g64 = gamma(f.k, unit_roundoff(NORM_DTYPE))
+        e_sum = em(aten.add.Tensor, prod(whole, g64 * math.sqrt(f.k)), prod(n_sum, eps))
+        e_sum = em(aten.add.Tensor, e_sum, math.sqrt(wide) * 2.0 * FLOAT32_TINY)
+        part = em(aten.add.Tensor, prod(whole, centred_norm, eps), prod(e_sum, n_mean))
+        err = part if err is None else em(aten.add.Tensor, err, part)
+    # A few float64 operations on non-negative numbers: 1 + 2^-40 covers their rounding.
+    norm = em(aten.add.Tensor, prod(root(sq), 1.0 + 2.0**-40), prod(err, 1.0 + 2.0**-40))
+    return prod(norm, norm, 1.0 + 2.0**-40), em(aten.mul.Tensor, mass, mass)
+
+
+def _position_norms(
+    em: Emitter, factors: list[Factor], cache: dict | None = None
+) -> tuple[fx.Node, fx.Node, fx.Node, list[fx.Node], list[fx.Node]]:
     """Upper bounds, in float64, from the factors themselves: ``S = sum_j sum_k ||a_jk||
     ||b_jk||``, the squared Frobenius norms ``||A||^2``, ``||B||^2`` summed over terms, and the
     same per term (two lists in the factors' order), each shape (P,).
     One read of every factor, nothing large written (float32 Gram matrices, whose diagonals
-    could underflow, are not trusted for these)."""
+    could underflow, are not trusted for these). The per-position norms of a factor are
+    cached (``cache``, the Gram cache of :func:`emit_sq_norm`): q/k/v projections read one
+    input, and a centred term keeps one factor of its original term."""
+    cache = {} if cache is None else cache
+
+    def per_position(key: tuple, make):  # noqa: ANN001, ANN202
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
     s = fa = fb = None
     per_a, per_b = [], []
     for f in factors:
-        nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)  # (P, K)
+        nb = per_position(("position_b", _b_key(f)), lambda: emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols))  # (P, K)
         fb_part = em(aten.sum.dim_IntList, nb, [1])
         if f.onehot:  # unit rows: ||a_k|| = 1, ||A||^2 = K
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             fa_part = em(aten.full_like.default, fb_part, float(f.k))
         else:
-            na = emit_sum_sq_bound(em, f.a, [1], f.rows)  # (P, K)
+            na = per_position(("position_a", value_key(f.a)), lambda: emit_sum_sq_bound(em, f.a, [1], f.rows))  # (P, K)
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
             fa_part = em(aten.sum.dim_IntList, na, [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
@@ -671,16 +851,21 @@ def _frobenius_rounding(
                    + gamma_R gamma_C ||A^j|| ||A^k|| ||B^j|| ||B^k||
 
     per pair (counted twice for an off-diagonal pair; no ``gamma_R`` term where a one-hot
-    factor makes ``G_A`` exact), with ``3 gamma_R gamma_C ||A||^2 ||B||^2`` for the last terms
-    of all pairs together, since ``(sum_j ||A^j|| ||B^j||)^2 <= ||A||^2 ||B||^2``. When
+    factor makes ``G_A`` exact), with ``3 gamma_R gamma_C (sum_j ||A^j|| ||B^j||)^2`` for the
+    last terms of all pairs together (not ``||A||^2 ||B||^2``, which can be far larger: a
+    centred term's rank-two partner, :func:`_centre`, has a large A and a tiny B). When
     positions do not line up, ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about
     ``(gamma_R + gamma_C) sqrt(K)`` of an ordinary squared norm against ``(gamma_R + gamma_C)
     K`` for the ``S^2`` form; when they do (anisotropic activations), the two are alike. Its
     own float64 evaluation (sums of at most K^2 squares, a few products and square roots) is
     covered by the factor 1.001."""
-    _, fa, fb, per_a, per_b = norms
+    _, _, _, per_a, per_b = norms
     g_r, g_c = _gram_gammas(factors)
-    total = em(aten.mul.Tensor, em(aten.mul.Tensor, fa, fb), 3.0 * g_r * g_c)
+    mass = None  # sum_j ||A^j|| ||B^j||
+    for na, nb in zip(per_a, per_b):
+        part = em(aten.sqrt.default, em(aten.mul.Tensor, na, nb))
+        mass = part if mass is None else em(aten.add.Tensor, mass, part)
+    total = em(aten.mul.Tensor, em(aten.mul.Tensor, mass, mass), 3.0 * g_r * g_c)
 
     def both(per: list[fx.Node], j: int, k: int) -> fx.Node:  # ||X^j|| ||X^k||
         return per[j] if j == k else em(aten.sqrt.default, em(aten.mul.Tensor, per[j], per[k]))

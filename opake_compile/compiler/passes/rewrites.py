@@ -46,6 +46,7 @@ from opake_compile.compiler.passes._factors import (
     merge_groups,
     merge_parts,
     mixed_product_dtype,
+    view_root,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
 from opake_compile.compiler.passes.numerics import NORM_DTYPE
@@ -368,6 +369,7 @@ def _ghost_clipping(
     coverage: dict[str, str] = {}
     notes: dict[str, str] = {}
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
+    forward = _loss_ancestors(out_node)
     # kept.all(), read by every book-keeping call: computed once, before the output.
     all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
     for name, sq in sq_nodes.items():
@@ -385,7 +387,7 @@ def _ghost_clipping(
         try:
             label, why, used = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
-                bookkeeping, grams, kept, factor, sum_acc, all_kept,
+                bookkeeping, grams, kept, factor, sum_acc, all_kept, forward,
             )
             done = used is not None
         except _RuleFailed as err:
@@ -424,8 +426,10 @@ def _rewrite_parameter(
     factor: fx.Node,
     sum_acc: torch.dtype,
     all_kept: fx.Node,
+    forward: frozenset[fx.Node],
 ) -> tuple[str | None, str | None, list[str] | None]:
-    """Try to rewrite one parameter's norm and clipped sum.
+    """Try to rewrite one parameter's norm and clipped sum (``forward``: the nodes the losses
+    are computed from, :func:`_loss_ancestors`).
 
     Returns:
         ``(coverage label or None, note or None, matched rule names or None)``; the graph is
@@ -452,6 +456,7 @@ def _rewrite_parameter(
             # it is read from and formed in one pass over it. Nothing to gain either.
             return DIRECT_ELEMENTWISE, None, None
         return None, why, None
+    found = _Match([[_mark_inputs(f, forward) for f in block] for block in found.blocks], found.cat_dim)
     factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
     if wanted == "mixed" and any(f.onehot and f.rule not in _MIXED_RULES for f in factors):
@@ -499,6 +504,33 @@ def _rewrite_parameter(
         for node in f.cleanup:
             em.graph.erase_node(node)
     return label, None, [f.rule for f in factors]
+
+
+def _loss_ancestors(out_node: fx.Node) -> frozenset[fx.Node]:
+    """The forward computation: every node the per-example losses (the graph's first output)
+    are computed from. Layer inputs belong to it; output gradients, formed after the loss,
+    do not."""
+    seen: set[fx.Node] = set()
+    stack = [out_node.args[0][0]]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return frozenset(seen)
+
+
+def _mark_inputs(f: Factor, forward: frozenset[fx.Node]) -> Factor:
+    """``f`` with ``input_side`` set where exactly one of its dense factors is (a view of) a
+    forward value: that side holds the layer's inputs, the other its output gradients
+    (float32 Gram norms centre the inputs, :func:`._factors._centre`). Linear terms only:
+    a convolution's unfolded input is large, and a centred copy of it would cost memory."""
+    if f.onehot or f.rule != "linear":
+        return f
+    a_in, b_in = view_root(f.a) in forward, view_root(f.b) in forward
+    if a_in == b_in:
+        return f
+    return dataclasses.replace(f, input_side="a" if a_in else "b")
 
 
 def _plan(factors: list[Factor], p: int, wanted: str, sum_acc: torch.dtype) -> tuple[str, object]:
