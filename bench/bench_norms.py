@@ -11,6 +11,13 @@ more than rho.
 
     python bench/bench_norms.py                       # GPT-2 T=128..1024, Llama T=512, BERT T=128
     python bench/bench_norms.py --models gpt2 --seq 128,256
+    python bench/bench_norms.py --models llama,bert --shared 5 --train k_proj,attention.self.key
+
+``--shared s`` adds one direction of s times a row's typical norm to every token embedding,
+so that hidden states share it, as in pretrained models (anisotropy); ``--train`` keeps only
+the parameters whose names contain one of the given substrings trainable, so the norm is
+theirs alone (a key projection's output gradients sum to zero over positions, which makes
+its norm the hardest one to bound tightly under a shared direction).
 
 Prints one row per (model, T): the relative error of each example's norm, the worst one, and
 the path each weight took.
@@ -37,7 +44,7 @@ def oracle_norms(model: torch.nn.Module, loss, args: tuple) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
-def build(name: str, t: int, batch: int):
+def build(name: str, t: int, batch: int, shared: float = 0.0, train: str = ""):
     import transformers
 
     with torch.random.fork_rng(devices=[]):
@@ -68,6 +75,14 @@ def build(name: str, t: int, batch: int):
         else:
             raise SystemExit(f"unknown model {name!r}")
         ids = torch.randint(1, 500, (batch, t))
+        if shared:
+            table = model.get_input_embeddings().weight
+            direction = torch.randn(table.shape[1])
+            with torch.no_grad():
+                table += shared * table.norm(dim=1).mean() * direction / direction.norm()
+    if train:
+        for pname, param in model.named_parameters():
+            param.requires_grad_(any(part in pname for part in train.split(",")))
     # A 4-D additive mask of zeros: BERT's 2-D mask path has a data-dependent branch (see the
     # coverage issue); without a mask transformers builds one itself.
     if name == "bert":
@@ -84,17 +99,17 @@ def build(name: str, t: int, batch: int):
     return model, lm_loss, (ids,)
 
 
-def run(name: str, t: int, batch: int) -> dict:
+def run(name: str, t: int, batch: int, shared: float = 0.0, train: str = "") -> dict:
     import opake_compile as opake
 
-    model, loss, args = build(name, t, batch)
+    model, loss, args = build(name, t, batch, shared, train)
     step = opake.compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=batch, backend="aot_eager")
     t0 = time.perf_counter()
     got = step(*args).clipped.per_example_norms.double()
     elapsed = time.perf_counter() - t0
     ref = oracle_norms(model, loss, args)
     rel = (got - ref) / ref
-    paths = sorted({v for k, v in step.coverage.items() if k.endswith("weight")})
+    paths = sorted({v for k, v in step.coverage.items() if k.endswith("weight") and v != "frozen"})
     return {"model": name, "T": t, "rel": rel.tolist(), "worst": float(rel.abs().max()), "paths": paths, "seconds": elapsed}
 
 
@@ -103,6 +118,8 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,llama,bert")
     ap.add_argument("--seq", default=None, help="comma-separated T (default: per model, see the docstring)")
     ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--shared", type=float, default=0.0, help="shared embedding direction, in row norms")
+    ap.add_argument("--train", default="", help="comma-separated substrings of the parameters to train")
     ns = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     defaults = {"gpt2": [128, 256, 512, 1024], "llama": [512], "bert": [128]}
@@ -110,7 +127,7 @@ def main() -> None:
     for name in ns.models.split(","):
         seqs = [int(s) for s in ns.seq.split(",")] if ns.seq else defaults[name]
         for t in seqs:
-            r = run(name, t, ns.batch)
+            r = run(name, t, ns.batch, ns.shared, ns.train)
             errs = ", ".join(f"{e:+.2e}" for e in r["rel"])
             print(f"{name:<6} {t:>5}  {errs:<40} {r['worst']:>9.2e}  {'; '.join(r['paths'])}", flush=True)
 
