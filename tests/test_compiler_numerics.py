@@ -661,7 +661,7 @@ def test_centred_norms_are_never_below_the_exact_norm(kind, layout):
     direction 1e3 times the residuals, near-cancelling pairs, inputs straddling zero,
     underflowing residuals and identical positions, no norm comes out below the exact norm
     of the float32 inputs' gradient (float64), in either layout."""
-    p, k, r, c = 8, 64, 96, 80
+    p, k, r, c = 8, 128, 128, 112
     x, w = _shifted_batch(p, k, r, c, kind, seed=31)
     model = nn.Linear(r, c, bias=False) if layout == "linear" else _RightMatmul(r, c)
     step = compile_dp(lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum(), model=model, clipping_norm=1.0,

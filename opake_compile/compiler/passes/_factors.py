@@ -453,10 +453,10 @@ def emit_sq_norm(
     gamma_C ||B||^2 ||A^T A||_F + ...``, about sqrt(K) times smaller when positions do not
     line up) and a bound for float32 underflow (:func:`_bound_underflow`), with S and the
     Frobenius norms from bounded per-position norms. Rank-one terms use sums of squares
-    bounded above (``emit_sum_sq_bound``). Dense float32 terms over at least
-    :data:`CENTRE_MIN_K` positions are centred first (:func:`_emit_centred`), so that a
-    direction their positions share does not enter the rounding bound (``centre=False``: the
-    centred system itself, whose position norms the caller passes as ``fast_norms``).
+    bounded above (``emit_sum_sq_bound``). Terms whose input side is known are centred first
+    where that pays (:data:`CENTRE_ABOVE`, :func:`_emit_centred`), so that a direction their
+    positions share does not enter the rounding bound (``centre=False``: the centred system
+    itself, whose position norms the caller passes as ``fast_norms``).
 
     Returns:
         ``(sq, mass_sq)``: the bounded squared norm and ``S^2``.
@@ -468,7 +468,7 @@ def emit_sq_norm(
     """
     grams = {} if grams is None else grams
     fast = gram_dtype != NORM_DTYPE
-    if fast and centre and any(_centres(f) for f in factors):
+    if fast and centre and any(_centres(f) for f in factors) and _centring_pays(factors):
         return _emit_centred(em, factors, grams, gram_dtype)
     acc = gram_dtype
     unscale = None
@@ -561,14 +561,24 @@ def emit_sq_norm(
     return total, mass_sq
 
 
-#: Dense terms over at least this many positions are centred before their float32 Gram
-#: matrices are formed (:func:`_emit_centred`); below it the shared direction costs little
-#: (the bound's excess grows with K) and the extra nodes would only slow compilation.
-CENTRE_MIN_K = 16
+#: A parameter's terms are centred before their float32 Gram matrices are formed
+#: (:func:`_emit_centred`) where ``(gamma_R + gamma_C) K / 2``, the estimate of
+#: :func:`fast_gram_ok`, is at least this. A key projection under a shared input direction
+#: five times the rest was over-clipped by about 14 times that estimate uncentred (2.8 % at
+#: K = 256, width 768), so this centres where that would pass 1 % (K >= 92 at width 128 and
+#: above). Below, centring's extra passes cost more than they save: +4 % of the step of a
+#: d = 128, K = 64 encoder (one thread, paired), against about 0.7 % over-clipping of such
+#: a key projection there.
+CENTRE_ABOVE = 7e-4
+
+
+def _centring_pays(factors: list[Factor]) -> bool:
+    g_r, g_c = _gram_gammas(factors)
+    return (g_r + g_c) * sum(f.k for f in factors) / 2 >= CENTRE_ABOVE
 
 
 def _centres(f: Factor) -> bool:
-    return not f.onehot and f.input_side is not None and f.k >= CENTRE_MIN_K
+    return not f.onehot and f.input_side is not None and f.k > 1
 
 
 def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Factor, Factor]:
