@@ -212,8 +212,8 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
 GRAM_CHUNK = 128
 
 
-#: A float32 Gram product with at most this many rows or columns (a centred term against its
-#: rank-two part, :func:`_centre`) is a matrix-vector product, bound by memory, not flops.
+#: A float32 Gram product with at most this many rows or columns (a centred term against the
+#: rank-one term of its mean, :func:`_centre`) is a matrix-vector product, bound by memory.
 THIN = 2
 
 
@@ -233,11 +233,11 @@ def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
         # own layout: the backend vectorises along K there (one broadcast reduction into a
         # (P, K, 2) result did not vectorise and cost 9 ms per layer at K = 256, width 768).
         x64, y64 = _as_dtype(em, x, NORM_DTYPE), _as_dtype(em, y, NORM_DTYPE)
-        if k2 <= THIN:
-            parts = [em(aten.sum.dim_IntList, em(aten.mul.Tensor, x64, em(aten.unsqueeze.default, em(aten.select.int, y64, 2, j), 1)), [2]) for j in range(k2)]
-            return em(aten.stack.default, parts, 2)
-        parts = [em(aten.sum.dim_IntList, em(aten.mul.Tensor, em(aten.unsqueeze.default, em(aten.select.int, x64, 1, i), 2), y64), [1]) for i in range(k1)]
-        return em(aten.stack.default, parts, 1)
+        if k2 <= THIN:  # columns of y, each (P, 1, n) against x: (P, K1)
+            cols = [em(aten.unsqueeze.default, em(aten.select.int, y64, 2, j), 1) for j in range(k2)]
+            return em(aten.stack.default, [em(aten.sum.dim_IntList, em(aten.mul.Tensor, x64, c), [2]) for c in cols], 2)
+        rows = [em(aten.unsqueeze.default, em(aten.select.int, x64, 1, i), 2) for i in range(k1)]  # (P, n, 1)
+        return em(aten.stack.default, [em(aten.sum.dim_IntList, em(aten.mul.Tensor, r, y64), [1]) for r in rows], 1)
     if acc != torch.float32 or n <= GRAM_CHUNK:
         return em(aten.bmm.default, x, y)
     size = _gram_slice(n)
@@ -412,8 +412,8 @@ def fast_gram_ok(factors: list[Factor], sum_dtype: torch.dtype) -> bool:
     Output gradients that sum to zero over positions (a separate key projection: softmax is
     shift invariant) against inputs sharing one direction cancel in the exact norm; the
     bound would see the shared direction's ``||G_B||_F`` (1-3 % over at K = 256, width 768)
-    but for the centring of dense terms (:func:`_emit_centred`), which leaves it out: 0.02 %
-    at K = 256 and 0.03 % at K = 512 with the shared part 5-20x the rest."""
+    but for the centring of the layer inputs (:func:`_emit_centred`), which leaves it out:
+    0.02 % at K = 256 and 0.03 % at K = 512 with the shared part 5-20x the rest."""
     if sum_dtype != torch.float32 or any(val(f.b).dtype == torch.float64 for f in factors):
         return False
     if any(not f.onehot and val(f.a).dtype == torch.float64 for f in factors):
@@ -612,7 +612,8 @@ def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Fact
             m = _as_dtype(em, em(aten.div.Tensor, sigma, float(k)), acc)
             grams[key] = (em(aten.sub.Tensor, b, m), m)
         b_c, m = grams[key]
-        s = em(aten.sum.dim_IntList, _as_dtype(em, _as_dtype(em, f.a, acc), NORM_DTYPE), [2], True)  # (P, R, 1)
+        a64 = _as_dtype(em, _as_dtype(em, f.a, acc), NORM_DTYPE)
+        s = em(aten.sum.dim_IntList, a64, [2], True)  # (P, R, 1)
         centred = dataclasses.replace(f, b=b_c, cleanup=())
         low = dataclasses.replace(f, a=_as_dtype(em, s, acc), b=m, cleanup=())
         return centred, low
@@ -622,7 +623,8 @@ def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Fact
     if val(f.a).stride(1) == 1:
         # A is the transpose of a (P, K, R) activation (x^T for ``x @ W``): centre in that
         # layout, so that A' is written as x is stored, not transposed on the way.
-        a_c = em(aten.transpose.int, em(aten.sub.Tensor, em(aten.transpose.int, a, 1, 2), em(aten.transpose.int, u, 1, 2)), 1, 2)
+        x_c = em(aten.sub.Tensor, em(aten.transpose.int, a, 1, 2), em(aten.transpose.int, u, 1, 2))
+        a_c = em(aten.transpose.int, x_c, 1, 2)
     else:
         a_c = em(aten.sub.Tensor, a, u)
     key = ("colsum", _b_key(f), acc)
@@ -683,11 +685,14 @@ def _emit_centred(em: Emitter, factors: list[Factor], grams: dict, gram_dtype: t
     err = None
     for j, i in centred:
         f = factors[j]
-        # The side kept whole (its norm, of the original factor) and the centred one (||B'||).
+        # Inputs B: the side kept whole is A (its original norm), the centred one B', the
+        # rank-one term is (s = A 1, m); inputs A: the mirror image.
         if f.input_side == "b":
-            whole, centred_norm, n_sum, n_mean, wide = root(orig_a[j]), root(per_b[i]), root(per_a[i + 1]), root(per_b[i + 1]), f.rows
+            whole, centred_norm, wide = root(orig_a[j]), root(per_b[i]), f.rows
+            n_sum, n_mean = root(per_a[i + 1]), root(per_b[i + 1])
         else:
-            whole, centred_norm, n_sum, n_mean, wide = root(orig_b[j]), root(per_a[i]), root(per_b[i + 1]), root(per_a[i + 1]), f.cols
+            whole, centred_norm, wide = root(orig_b[j]), root(per_a[i]), f.cols
+            n_sum, n_mean = root(per_b[i + 1]), root(per_a[i + 1])
         g64 = gamma(f.k, unit_roundoff(NORM_DTYPE))
         e_sum = em(aten.add.Tensor, prod(whole, g64 * math.sqrt(f.k)), prod(n_sum, eps))
         e_sum = em(aten.add.Tensor, e_sum, math.sqrt(wide) * 2.0 * FLOAT32_TINY)
@@ -718,13 +723,15 @@ def _position_norms(
     s = fa = fb = None
     per_a, per_b = [], []
     for f in factors:
-        nb = per_position(("position_b", _b_key(f)), lambda: emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols))  # (P, K)
+        nb = per_position(  # (P, K)
+            ("position_b", _b_key(f)), lambda: emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)
+        )
         fb_part = em(aten.sum.dim_IntList, nb, [1])
         if f.onehot:  # unit rows: ||a_k|| = 1, ||A||^2 = K
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             fa_part = em(aten.full_like.default, fb_part, float(f.k))
         else:
-            na = per_position(("position_a", value_key(f.a)), lambda: emit_sum_sq_bound(em, f.a, [1], f.rows))  # (P, K)
+            na = per_position(("position_a", value_key(f.a)), lambda: emit_sum_sq_bound(em, f.a, [1], f.rows))
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
             fa_part = em(aten.sum.dim_IntList, na, [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
@@ -862,8 +869,9 @@ def _frobenius_rounding(
 
     per pair (counted twice for an off-diagonal pair; no ``gamma_R`` term where a one-hot
     factor makes ``G_A`` exact), with ``3 gamma_R gamma_C (sum_j ||A^j|| ||B^j||)^2`` for the
-    last terms of all pairs together (not ``||A||^2 ||B||^2``, which can be far larger: a
-    centred term's rank-two partner, :func:`_centre`, has a large A and a tiny B). When
+    last terms of all pairs together (not ``||A||^2 ||B||^2``, which can be far larger: the
+    rank-one term of a centred term's mean, :func:`_centre`, can have a large A and a tiny
+    B). When
     positions do not line up, ``||G_B||_F ~ ||B||_F^2 / sqrt(K)``, so this is about
     ``(gamma_R + gamma_C) sqrt(K)`` of an ordinary squared norm against ``(gamma_R + gamma_C)
     K`` for the ``S^2`` form; when they do (anisotropic activations), the two are alike. Its

@@ -37,11 +37,12 @@ things are needed:
      + gamma_C ||B||^2 ||A^T A||_F + 3 gamma_R gamma_C (sum_j ||A^j|| ||B^j||)^2``, about
      sqrt(K) times smaller when positions do not line up) is added, plus an absolute term for
      float32 underflow (``2^-149 K (C ||A||^2 + R ||B||^2)``). Linear terms over about 92
-     positions or more first centre the factor that holds the layer's inputs (the one the losses are
-     computed from; ``B = B' + 1 m^T``, the mean as a rank-one term; convolutions are not
-     centred), so that a direction every position shares does not enter that bound; the
-     rounding of the centring is bounded and added to the norm (``_factors._emit_centred``). Over longer sequences the Gram matrices are float64 end
-     to end and ``2 n u_64 S_i^2`` (~10^-10 relative) is added. The choice depends on shapes only,
+     positions or more first centre the factor that holds the layer's inputs (the one the
+     losses are computed from; ``B = B' + 1 m^T``, the mean as a rank-one term; convolutions
+     are not centred), so that a direction every position shares does not enter that bound;
+     the rounding of the centring is bounded and added to the norm
+     (``_factors._emit_centred``). Over longer sequences the Gram matrices are float64 end to
+     end and ``2 n u_64 S_i^2`` (~10^-10 relative) is added. The choice depends on shapes only,
      never on values seen: an example's bound must depend on that example alone, or one
      example could change the others' clip factors.
      The float32 Gram form with a threshold-based guard inflated GPT-2-width norms by 26 % at
