@@ -511,7 +511,8 @@ def _loss_ancestors(out_node: fx.Node) -> frozenset[fx.Node]:
     are computed from. Layer inputs belong to it; output gradients, formed after the loss,
     do not."""
     seen: set[fx.Node] = set()
-    stack = [out_node.args[0][0]]
+    losses = out_node.args[0][0]
+    stack = [losses] if isinstance(losses, fx.Node) else []  # none: nothing is centred
     while stack:
         node = stack.pop()
         if node not in seen:
