@@ -387,6 +387,16 @@ def view_root(node: fx.Node) -> fx.Node:
     return node
 
 
+def _memo(cache: dict, key: tuple, make: Callable[[], object]) -> object:
+    """``cache[key]``, made by ``make()`` the first time: the nodes a parameter's norm shares
+    with later parameters' (Gram matrices, centred inputs, per-position norms of one input).
+    Nodes made while rewriting one parameter precede every later parameter's norm, so reusing
+    them keeps the graph ordered."""
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 def _b_key(f: Factor) -> object:
     """What ``_b_of(f)`` depends on: B, and for a one-hot factor with a padding id also the ids
     (they choose the rows that are zeroed): two embeddings summed into one output share B
@@ -480,11 +490,6 @@ def emit_sq_norm(
     if fast and fast_norms is None:
         fast_norms = _position_norms(em, factors, grams)
 
-    def cached(key: tuple, make):  # noqa: ANN001, ANN202
-        if key not in grams:
-            grams[key] = make()
-        return grams[key]
-
     bs = [_b_of(em, f, acc) for f in factors]
     total = None
     frob_parts = []  # fast Grams: per pair, gamma_R ||A||^2 ||G_B||_F + gamma_C ||B||^2 ||G_A||_F
@@ -501,11 +506,11 @@ def emit_sq_norm(
                     # above rigorously: (1 + gamma_n) for the rounding, n 2^-149 for squares that
                     # underflow; one that overflows makes the example non-finite (dropped).
                     pa = emit_sum_sq_bound(em, f.a, [1, 2], f.rows)
-                    pb = cached(("sumsq",) + b_key, lambda: emit_sum_sq_bound(em, f.b, [1, 2], f.cols))
+                    pb = _memo(grams, ("sumsq",) + b_key, lambda: emit_sum_sq_bound(em, f.b, [1, 2], f.cols))
                 else:
                     nd = NORM_DTYPE
                     pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, g.a, nd)), [1, 2])
-                    pb = cached(("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, bs[j], nd), _as_dtype(em, bs[k], nd)), [1, 2]))
+                    pb = _memo(grams, ("dot",) + b_key, lambda: em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, bs[j], nd), _as_dtype(em, bs[k], nd)), [1, 2]))
                 term = em(aten.mul.Tensor, pa, pb)
                 if k == j and not fast:
                     s_parts.append(em(aten.sqrt.default, term))
@@ -521,14 +526,14 @@ def emit_sq_norm(
                     return _panel_blocks(em, panels) if sym else [(panels[0], 1.0)]
 
                 ga = blocks(_gram_a_panels(em, f, acc) if sym else [_gram_a(em, f, g, acc)])
-                gb = cached(("gram", sym) + b_key, lambda: blocks(
+                gb = _memo(grams, ("gram", sym) + b_key, lambda: blocks(
                     _sym_panels(em, bs[j], acc) if sym else [_gram(em, bs[j], em(aten.transpose.int, bs[k], 1, 2), acc)]
                 ))
                 if fast:
                     # Frobenius norms of the computed Grams, for _bound_rounding: squares of
                     # float32 numbers are exact in float64, their sum within gamma_{K^2}(u_64).
                     fro_a = em(aten.sqrt.default, _block_inner(em, ga, ga))
-                    fro_b = cached(("fro", sym) + b_key, lambda: em(aten.sqrt.default, _block_inner(em, gb, gb)))
+                    fro_b = _memo(grams, ("fro", sym) + b_key, lambda: em(aten.sqrt.default, _block_inner(em, gb, gb)))
                     # A one-hot factor's Gram entries are exact (comparisons, gathers).
                     frob_parts.append((j, k, fro_a, fro_b, f.onehot or g.onehot))
                 term = _block_inner(em, ga, gb)
@@ -605,15 +610,15 @@ def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Fact
     """
     k = f.k
     if f.input_side == "b":
-        key = ("centred", _b_key(f), acc)
-        if key not in grams:
+
+        def centred_b() -> tuple[fx.Node, fx.Node]:
             b = _as_dtype(em, f.b, acc)
             sigma = em(aten.sum.dim_IntList, _as_dtype(em, b, NORM_DTYPE), [1], True)  # (P, 1, C)
             m = _as_dtype(em, em(aten.div.Tensor, sigma, float(k)), acc)
-            grams[key] = (em(aten.sub.Tensor, b, m), m)
-        b_c, m = grams[key]
-        a64 = _as_dtype(em, _as_dtype(em, f.a, acc), NORM_DTYPE)
-        s = em(aten.sum.dim_IntList, a64, [2], True)  # (P, R, 1)
+            return em(aten.sub.Tensor, b, m), m
+
+        b_c, m = _memo(grams, ("centred", _b_key(f), acc), centred_b)
+        s = em(aten.sum.dim_IntList, _as_dtype(em, f.a, NORM_DTYPE), [2], True)  # (P, R, 1)
         centred = dataclasses.replace(f, b=b_c, cleanup=())
         low = dataclasses.replace(f, a=_as_dtype(em, s, acc), b=m, cleanup=())
         return centred, low
@@ -627,11 +632,9 @@ def _centre(em: Emitter, f: Factor, acc: torch.dtype, grams: dict) -> tuple[Fact
         a_c = em(aten.transpose.int, x_c, 1, 2)
     else:
         a_c = em(aten.sub.Tensor, a, u)
-    key = ("colsum", _b_key(f), acc)
-    if key not in grams:
-        b64 = _as_dtype(em, _as_dtype(em, f.b, acc), NORM_DTYPE)
-        grams[key] = _as_dtype(em, em(aten.sum.dim_IntList, b64, [1], True), acc)
-    t = grams[key]  # (P, 1, C)
+    t = _memo(grams, ("colsum", _b_key(f), acc), lambda: _as_dtype(  # (P, 1, C)
+        em, em(aten.sum.dim_IntList, _as_dtype(em, f.b, NORM_DTYPE), [1], True), acc
+    ))
     centred = dataclasses.replace(f, a=a_c, cleanup=())
     low = dataclasses.replace(f, a=u, b=t, cleanup=())
     return centred, low
@@ -682,7 +685,7 @@ def _emit_centred(em: Emitter, factors: list[Factor], grams: dict, gram_dtype: t
             out = em(aten.mul.Tensor, out, x)
         return out
 
-    err = None
+    parts = []
     for j, i in centred:
         f = factors[j]
         # Inputs B: the side kept whole is A (its original norm), the centred one B', the
@@ -696,8 +699,8 @@ def _emit_centred(em: Emitter, factors: list[Factor], grams: dict, gram_dtype: t
         g64 = gamma(f.k, unit_roundoff(NORM_DTYPE))
         e_sum = em(aten.add.Tensor, prod(whole, g64 * math.sqrt(f.k)), prod(n_sum, eps))
         e_sum = em(aten.add.Tensor, e_sum, math.sqrt(wide) * 2.0 * FLOAT32_TINY)
-        part = em(aten.add.Tensor, prod(whole, centred_norm, eps), prod(e_sum, n_mean))
-        err = part if err is None else em(aten.add.Tensor, err, part)
+        parts.append((em(aten.add.Tensor, prod(whole, centred_norm, eps), prod(e_sum, n_mean)), 1.0))
+    err = _weighted_sum(em, parts)
     # A few float64 operations on non-negative numbers: 1 + 2^-40 covers their rounding.
     norm = em(aten.add.Tensor, prod(root(sq), 1.0 + 2.0**-40), prod(err, 1.0 + 2.0**-40))
     return prod(norm, norm, 1.0 + 2.0**-40), em(aten.mul.Tensor, mass, mass)
@@ -715,23 +718,18 @@ def _position_norms(
     input, and a centred term keeps one factor of its original term."""
     cache = {} if cache is None else cache
 
-    def per_position(key: tuple, make):  # noqa: ANN001, ANN202
-        if key not in cache:
-            cache[key] = make()
-        return cache[key]
-
     s = fa = fb = None
     per_a, per_b = [], []
     for f in factors:
-        nb = per_position(  # (P, K)
-            ("position_b", _b_key(f)), lambda: emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)
+        nb = _memo(  # (P, K)
+            cache, ("position_b", _b_key(f)), lambda: emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)
         )
         fb_part = em(aten.sum.dim_IntList, nb, [1])
         if f.onehot:  # unit rows: ||a_k|| = 1, ||A||^2 = K
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             fa_part = em(aten.full_like.default, fb_part, float(f.k))
         else:
-            na = per_position(("position_a", value_key(f.a)), lambda: emit_sum_sq_bound(em, f.a, [1], f.rows))
+            na = _memo(cache, ("position_a", value_key(f.a)), lambda: emit_sum_sq_bound(em, f.a, [1], f.rows))
             part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
             fa_part = em(aten.sum.dim_IntList, na, [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
@@ -785,11 +783,11 @@ def _rescale_float64(
     if cache is not None and len(factors) == 1:
         # One term: its right factor's scale depends on that factor alone, so layers reading
         # the same input (q/k/v) share the scaled node, and with it their Gram matrix.
-        key = ("scaled_b", _b_key(factors[0]))
-        if key not in cache:
+        def scaled_b() -> tuple[fx.Node, fx.Node]:
             e = exponent([factors[0].b])
-            cache[key] = (e, scaled(factors[0].b, e))
-        eb, b_scaled = cache[key]
+            return e, scaled(factors[0].b, e)
+
+        eb, b_scaled = _memo(cache, ("scaled_b", _b_key(factors[0])), scaled_b)
         b_nodes = [b_scaled]
     else:
         eb = exponent([f.b for f in factors])
@@ -879,10 +877,7 @@ def _frobenius_rounding(
     covered by the factor 1.001."""
     _, _, _, per_a, per_b = norms
     g_r, g_c = _gram_gammas(factors)
-    mass = None  # sum_j ||A^j|| ||B^j||
-    for na, nb in zip(per_a, per_b):
-        part = em(aten.sqrt.default, em(aten.mul.Tensor, na, nb))
-        mass = part if mass is None else em(aten.add.Tensor, mass, part)
+    mass = _weighted_sum(em, [(em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), 1.0) for na, nb in zip(per_a, per_b)])
     total = em(aten.mul.Tensor, em(aten.mul.Tensor, mass, mass), 3.0 * g_r * g_c)
 
     def both(per: list[fx.Node], j: int, k: int) -> fx.Node:  # ||X^j|| ||X^k||
