@@ -11,6 +11,7 @@ compared gradient is asserted non-zero, so a wrong factor cannot pass by acciden
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from _models import MathTransformer, loop_reference
 from opake_compile import compile_dp
 from opake_compile.compiler.passes.rewrites import GhostClipping
+from opake_compile.exceptions import ConfigurationError
 
 F64 = torch.float64
 
@@ -34,6 +36,7 @@ CONV = "ghost:conv"
 CONV_BK = "materialized (cheaper than ghost)"  # conv takes no mixed path: see _MIXED_RULES
 DIRECT = "direct (per-example vector)"
 MAT = "materialized"
+SUMMED = "direct:linear (per-example gradient summed directly)"
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -140,6 +143,71 @@ def test_linear_sequence_materialized_norm():
 def test_linear_sequence_four_dim_input():
     model = _build(lambda: nn.Linear(6, 6))
     _compare(model, _tanh_sum, (_randn(5, 2, 1, 6),), c=0.5, expected={"weight": LINEAR, "bias": DIRECT})
+
+
+# ------------------------------------------------- per-example gradients summed directly
+def test_long_sequence_linear_sums_its_per_example_gradient_directly():
+    # K = 96 positions, R = C = 8: K (R + C) >= R C, so holding the P x R x C gradient frees as
+    # much as the layer's input and output gradient held for the book-keeping sum; and the
+    # book-keeping product (K multiply-adds per entry) costs more than the passes over it.
+    model = _build(lambda: nn.Linear(8, 8))
+    args = (_randn(6, 96, 8),)
+    got, _ = _compare(model, _tanh_sum, args, c=0.5, expected={"weight": SUMMED, "bias": DIRECT})
+    without = compile_dp(_tanh_sum, model=model, clipping_norm=0.5, physical_batch_size=4,
+                         rewrites=[GhostClipping(materialize_budget=None)])
+    other = without(*args)
+    assert other.coverage == {"weight": LINEAR_BK, "bias": DIRECT}
+    _assert_same(got, other)
+
+
+def _wide_layer_step(budget):
+    # R = C = 768 over K = 192: the Gram form (K^2 (R + C) 3/4 per example) costs more than the
+    # passes over R C entries, but R C > K (R + C): summing directly holds 2.25 MiB net at P = 2.
+    lin = _build(lambda: nn.Linear(768, 768, bias=False), dtype=torch.float32)
+    step = compile_dp(lambda m, x: m(x).square().sum(), model=lin, clipping_norm=1.0, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(materialize_budget=budget)])
+    step(_randn(2, 192, 768, dtype=torch.float32))
+    return step
+
+
+def test_direct_sum_stays_within_its_memory_budget():
+    assert _wide_layer_step(0.0).coverage == {"weight": LINEAR}
+    step = _wide_layer_step(10.0)
+    assert step.coverage == {"weight": SUMMED}
+    assert "2.2 MiB net" in step.describe() and "Gram-form norm" in step.describe()
+
+
+def test_direct_sum_is_not_taken_for_low_precision_gradients():
+    # A bfloat16 model's traced per-example gradient is bfloat16; the book-keeping sum is float32.
+    model = _build(lambda: nn.Linear(8, 8, bias=False), dtype=torch.bfloat16)
+    step = compile_dp(_tanh_sum, model=model, clipping_norm=0.5, physical_batch_size=4, backend="aot_eager")
+    step(_randn(4, 96, 8, dtype=torch.bfloat16))
+    assert step.coverage == {"weight": LINEAR_BK}
+
+
+def test_a_shared_input_is_freed_only_when_every_reader_sums_directly():
+    from opake_compile.compiler.passes.rewrites import _Candidate, _choose_direct
+
+    g = torch.fx.Graph()
+    shared, own_a, own_b = (g.placeholder(n) for n in ("x", "ga", "gb"))
+    for node, n in ((shared, 100), (own_a, 10), (own_b, 10)):
+        node.meta["val"] = torch.empty(n, dtype=torch.uint8)
+    holders = {shared: 2, own_a: 1, own_b: 1}
+    a = _Candidate("a", saving=5.0, held=60, roots=frozenset({shared, own_a}), note="a")
+    b = _Candidate("b", saving=4.0, held=60, roots=frozenset({shared, own_b}), note="b")
+    # Alone, each holds 60 - 10 = 50 net: the input stays for the other's book-keeping sum.
+    assert _choose_direct([a, b], holders, budget=49) == {}
+    # The first taken holds 50; the second then frees the input too: 50 - 110 = -60.
+    chosen = _choose_direct([a, b], holders, budget=50)
+    assert set(chosen) == {"a", "b"}
+    assert "0.0 MiB net" in chosen["a"]
+    # A candidate that saves nothing is never taken, however much memory there is.
+    assert _choose_direct([dataclasses.replace(a, saving=-1.0)], holders, budget=10**9) == {}
+
+
+def test_negative_materialize_budget_is_refused():
+    with pytest.raises(ConfigurationError, match="materialize_budget"):
+        GhostClipping(materialize_budget=-0.1)
 
 
 class Conv1D(nn.Module):

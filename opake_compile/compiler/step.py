@@ -373,7 +373,7 @@ class DPStep:
             for name, path in c.coverage.items():
                 why = f" ({notes[name]})" if name in notes and path == "materialized" else ""
                 lines.append(f"    {name:<{width}}  {path}{why}")
-                if name in notes and path != "materialized" and path.startswith("materialized"):
+                if name in notes and path != "materialized" and path.startswith(("materialized", "direct:")):
                     lines.append(f"    {'':<{width}}    {notes[name]}")  # the cost model's numbers
             for r in c.reports:
                 matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"

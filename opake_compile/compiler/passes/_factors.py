@@ -758,10 +758,10 @@ def _bound_underflow(em: Emitter, factors: list[Factor], sq: fx.Node, fa: fx.Nod
 def _rescale_float64(
     em: Emitter, factors: list[Factor], cache: dict | None = None
 ) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
-    """Factors scaled per example by exact powers of two (largest entry in [1/2, 1)), and the
+    """Factors scaled per example by exact powers of two (largest entry in [1/4, 1)), and the
     function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
 
-    The squares of the scaled factors cannot overflow and lose only entries below 2^-537 of
+    The squares of the scaled factors cannot overflow and lose only entries below 2^-536 of
     the largest, so the squared norm is exact up to rounding. Undoing the scale saturates:
     a norm below ~2^-1074 becomes 0 (the example is then far below any admissible C), one
     above ~2^1024 becomes inf (the example is dropped as non-finite and counted). One-hot
@@ -773,8 +773,12 @@ def _rescale_float64(
         for n in nodes:
             a = em(aten.amax.default, em(aten.abs.default, n), list(range(1, len(shape(n)))))
             m = a if m is None else em(aten.maximum.default, m, a)
-        e = em(operator.getitem, em(aten.frexp.Tensor, m), 1)
-        return em(aten._to_copy.default, em(aten.clamp.default, e, -1000, 1000), dtype=NORM_DTYPE)
+        # floor(log2 m) + 1, frexp's exponent or one more where log2 rounds up to an integer
+        # (the largest entry then lands in [1/4, 1/2)). Not frexp itself: Inductor's C++
+        # vectorisation of its int32 exponent in a float64 kernel does not compile (torch 2.13).
+        # Zeros give -inf and non-finite maxima inf or NaN: clamped, or left non-finite.
+        e = em(aten.add.Tensor, em(aten.floor.default, em(aten.log2.default, m)), 1.0)
+        return em(aten.clamp.default, e, -1000.0, 1000.0)
 
     def scaled(node: fx.Node, e: fx.Node) -> fx.Node:
         s = em(aten.exp2.default, em(aten.neg.default, e))

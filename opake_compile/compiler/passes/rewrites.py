@@ -278,6 +278,26 @@ def _pieces(top: fx.Node) -> tuple[list[tuple[fx.Node, bool]], int | None]:
 #: How the book-keeping sums of dense terms are emitted (see :class:`GhostClipping`).
 BOOKKEEPING_MODES = ("per_layer", "fused")
 
+#: Extra peak memory the per-example gradients summed directly may take (default of
+#: :class:`GhostClipping`'s ``materialize_budget``), as a fraction of the step's estimated
+#: parameter, input and saved-activation memory (:func:`_baseline_bytes`). A layer that frees
+#: at least as much as it holds (its input and output gradient no longer wait for the clip
+#: factors) costs nothing against it.
+MATERIALIZE_BUDGET = 0.2
+
+#: The passes a per-example gradient summed directly costs beyond its product (written once,
+#: read by the float64 norm, read by the masked weighted sum), in multiply-adds per entry of
+#: ``P x R x C``: memory-bound, so priced as a constant per entry. Measured on CPU, one thread,
+#: against the Gram form at width 768: K = 197 (ViT-B/16, about 50 per entry in Gram
+#: multiply-adds) lost 2 %, K = 256 (about 80-130) won 5 %, K = 512 won 13-20 %.
+DIRECT_PASS_COST = 64
+
+#: Coverage label of a linear layer whose per-example gradient is formed and summed directly
+#: (no Gram-form norm, no book-keeping product): chosen where that is cheaper and fits the
+#: memory budget (:func:`_choose_direct`).
+DIRECT_SUM = "direct:{rules} (per-example gradient summed directly)"
+
+
 #: Paths :class:`GhostClipping` can be told to take for a parameter (``force=``): ``"ghost"``
 #: (Gram-form norm), ``"mixed"`` (norm from the materialised per-example gradient, sum
 #: book-kept), ``"materialized"`` (no rewrite: a per-example vector for biases).
@@ -300,9 +320,21 @@ class GhostClipping:
             (for tests of each path's numerics, and for users who know better). A forced
             path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
             the first call rather than silently taking another path.
+        materialize_budget: linear layers over long sequences may skip the Gram-form norm and
+            the book-keeping product: their per-example gradients (P x R x C each) are formed
+            by one batched product, and the norm and the clipped sum read them directly, as
+            Opacus' hooks do. Where K (R + C) >= R C (K positions) that frees as much memory
+            as it holds, since the layer's input and output gradient need not wait for the
+            clip factors; elsewhere it may hold at most this fraction of the step's estimated
+            parameter, input and saved-activation memory in all (:data:`MATERIALIZE_BUDGET`).
+            Taken only where the cost model finds it faster (:data:`DIRECT_PASS_COST`); the
+            coverage label is ``direct:linear (...)``. ``None``: never (Gram-form and mixed
+            paths only). Same norms and sums up to rounding; the bound is the clip pass's own
+            (:mod:`.numerics`, case "materialised").
 
     Raises:
-        ConfigurationError: an unknown rule name, ``bookkeeping`` mode or forced path.
+        ConfigurationError: an unknown rule name, ``bookkeeping`` mode or forced path, or a
+            negative ``materialize_budget``.
 
     Example::
 
@@ -317,6 +349,7 @@ class GhostClipping:
         *,
         bookkeeping: str = "per_layer",
         force: Mapping[str, str] | None = None,
+        materialize_budget: float | None = MATERIALIZE_BUDGET,
     ) -> None:
         known = set(RULES) | set(WHOLE_RULES)
         chosen = known if rules is None else set(rules)
@@ -328,16 +361,21 @@ class GhostClipping:
         bad = {k: v for k, v in (force or {}).items() if v not in FORCEABLE_PATHS}
         if bad:
             raise ConfigurationError(f"Unknown path(s) in force={bad}; choose from {FORCEABLE_PATHS}.")
+        if materialize_budget is not None and not materialize_budget >= 0:
+            raise ConfigurationError(f"materialize_budget must be None or >= 0, got {materialize_budget!r}.")
         self.rules = frozenset(chosen)
         self.bookkeeping = bookkeeping
         self.force = dict(force or {})
+        self.materialize_budget = materialize_budget
         self.name = "ghost_clipping"
 
     def __call__(self, gm: fx.GraphModule) -> PassReport:
-        return _ghost_clipping(gm, self.rules, self.bookkeeping, self.force)
+        return _ghost_clipping(gm, self.rules, self.bookkeeping, self.force, self.materialize_budget)
 
     def __repr__(self) -> str:
         extra = f", force={self.force!r}" if self.force else ""
+        if self.materialize_budget != MATERIALIZE_BUDGET:
+            extra += f", materialize_budget={self.materialize_budget!r}"
         return f"GhostClipping(rules={tuple(sorted(self.rules))}, bookkeeping={self.bookkeeping!r}{extra})"
 
 
@@ -352,6 +390,7 @@ def _ghost_clipping(
     enabled: frozenset[str],
     bookkeeping: str = "per_layer",
     force: Mapping[str, str] | None = None,
+    materialize_budget: float | None = MATERIALIZE_BUDGET,
 ) -> PassReport:
     force = dict(force or {})
     graph = gm.graph
@@ -370,12 +409,23 @@ def _ghost_clipping(
     notes: dict[str, str] = {}
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
     forward = _loss_ancestors(out_node)
+    direct: dict[str, str] = {}
+    if materialize_budget is not None:
+        candidates, holders = _survey(graph, sq_nodes, force, enabled, sum_acc)
+        budget = int(materialize_budget * _baseline_bytes(graph, forward))
+        direct = _choose_direct(candidates, holders, budget)
     # kept.all(), read by every book-keeping call: computed once, before the output.
     all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
     for name, sq in sq_nodes.items():
         wanted = force.get(name, "auto")
         if wanted == "materialized":
             coverage[name] = "materialized (forced)"
+            continue
+        if name in direct:
+            # The clip pass's own form: G is formed (one batched product) and its norm and
+            # the clipped sum read it.
+            coverage[name] = DIRECT_SUM.format(rules="linear")
+            notes[name] = direct[name]
             continue
         # Transaction: every node emitted while trying this parameter is erased again unless
         # the rewrite completes (a rule may raise, or give up, after emitting nodes).
@@ -662,6 +712,126 @@ def _gradient_of(sq: fx.Node) -> fx.Node:
     g = sq.meta.get("opake_gradient")
     assert g is not None, "clip pass layout changed"
     return g
+
+
+@dataclasses.dataclass
+class _Candidate:
+    """A parameter whose Gram-form (or mixed) path could give way to summing its per-example
+    gradient directly: what that would save (multiply-adds) and what it would hold (bytes)."""
+
+    name: str
+    saving: float
+    held: int
+    roots: frozenset[fx.Node]  # the factors' view roots, held until the clip factors otherwise
+    note: str
+
+
+def _survey(
+    graph: fx.Graph,
+    sq_nodes: Mapping[str, fx.Node],
+    force: Mapping[str, str],
+    enabled: frozenset[str],
+    sum_acc: torch.dtype,
+) -> tuple[list[_Candidate], dict[fx.Node, int]]:
+    """Match every parameter once without changing the graph, and price summing the
+    per-example gradient directly for those whose factors are all dense linear terms.
+
+    Returns:
+        ``(candidates, holders)``: ``holders`` counts, per factor root, the matched parameters
+        whose book-keeping sums read it (a root is freed early only if all of them go direct).
+    """
+    candidates: list[_Candidate] = []
+    holders: dict[fx.Node, int] = {}
+    for name, sq in sq_nodes.items():
+        wanted = force.get(name, "auto")
+        if wanted == "materialized":
+            continue
+        g = _gradient_of(sq)
+        p = shape(g)[0]
+        em = Emitter(graph, before=sq)
+        try:
+            found, _ = _match(em, g, p, enabled)
+            if found is None:
+                continue
+            created = set(em.created)
+            roots = frozenset(
+                r for f in found.factors for r in (view_root(f.a), view_root(f.b)) if r not in created
+            )
+            for r in roots:
+                holders[r] = holders.get(r, 0) + 1
+            block = found.factors
+            if (
+                wanted != "auto"
+                or len(found.blocks) != 1
+                or val(g).dtype != sum_acc  # a bf16 model: the book-keeping sum is float32
+                or not all(f.rule == "linear" and not f.onehot and f.groups == 1 for f in block)
+            ):
+                continue
+            mode, gram_dtype = _plan(block, p, "auto", sum_acc)
+            r, c, k = block[0].rows, block[0].cols, sum(f.k for f in block)
+            passes = DIRECT_PASS_COST * p * r * c
+            if mode == "mixed":  # the mixed product forms G anyway: the book-keeping product is saved
+                gram = p * r * c * k
+            else:
+                gram = ghost_cost(block, p, GRAM_COST_FACTOR if gram_dtype == NORM_DTYPE else 1)
+            held = p * r * c * val(g).element_size()
+            note = (
+                f"per-example gradient summed directly: {gram:.3g} multiply-adds of "
+                f"{'book-keeping product' if mode == 'mixed' else 'Gram-form norm'} against passes priced at "
+                f"{passes:.3g} over its P x R x C = {p} x {r} x {c} entries ({held / 2**20:.1f} MiB)"
+            )
+            candidates.append(_Candidate(name, gram - passes, held, roots, note))
+        finally:
+            em.erase_since(0)
+    return candidates, holders
+
+
+def _baseline_bytes(graph: fx.Graph, forward: frozenset[fx.Node]) -> int:
+    """A floor on the step's peak memory: its placeholders (parameters, inputs) and the forward
+    values the backward reads (saved activations), each storage counted once."""
+    held: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or (node in forward and any(u not in forward for u in node.users)):
+            held.add(view_root(node))
+    return sum(_nbytes(n) for n in held)
+
+
+def _nbytes(node: fx.Node) -> int:
+    v = node.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _choose_direct(candidates: list[_Candidate], holders: Mapping[fx.Node, int], budget: int) -> dict[str, str]:
+    """The parameters to sum directly, greedily by saving per net byte held: a parameter
+    is taken when it saves time and the net bytes of all taken so far stay within ``budget``.
+    Net bytes: its ``P x R x C`` gradient, minus the factor roots freed once every parameter
+    reading them is taken (q, k and v share their input: it is freed by the last of them).
+
+    Returns:
+        parameter name -> note for ``describe()``.
+    """
+    chosen: dict[str, _Candidate] = {}
+    left = [c for c in candidates if c.saving > 0]
+    taken: dict[fx.Node, int] = {}
+    spent = 0
+
+    def net(c: _Candidate) -> int:
+        freed = sum(_nbytes(r) for r in c.roots if taken.get(r, 0) + 1 == holders[r])
+        return c.held - freed
+
+    while left:
+        costs = [(net(c), c) for c in left]
+        fits = [(n, c) for n, c in costs if spent + n <= budget]
+        if not fits:
+            break
+        n, best = max(fits, key=lambda nc: nc[1].saving / max(nc[0], 1))
+        left.remove(best)
+        spent += n
+        chosen[best.name] = best
+        for r in best.roots:
+            taken[r] = taken.get(r, 0) + 1
+    total = f"all such layers hold {spent / 2**20:.1f} MiB net of a {budget / 2**20:.1f} MiB budget"
+    return {name: f"{c.note}; {total}" for name, c in chosen.items()}
 
 
 REWRITE_PASSES = [ghost_clipping]
