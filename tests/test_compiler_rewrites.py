@@ -147,11 +147,11 @@ def test_linear_sequence_four_dim_input():
 
 # ------------------------------------------------- per-example gradients summed directly
 def test_long_sequence_linear_sums_its_per_example_gradient_directly():
-    # K = 96 positions, R = C = 8: K (R + C) >= R C, so holding the P x R x C gradient frees as
+    # K = 128 positions, R = C = 8: K (R + C) >= R C, so holding the P x R x C gradient frees as
     # much as the layer's input and output gradient held for the book-keeping sum; and the
     # book-keeping product (K multiply-adds per entry) costs more than the passes over it.
     model = _build(lambda: nn.Linear(8, 8))
-    args = (_randn(6, 96, 8),)
+    args = (_randn(6, 128, 8),)
     got, _ = _compare(model, _tanh_sum, args, c=0.5, expected={"weight": SUMMED, "bias": DIRECT})
     without = compile_dp(_tanh_sum, model=model, clipping_norm=0.5, physical_batch_size=4,
                          rewrites=[GhostClipping(materialize_budget=None)])
@@ -161,12 +161,12 @@ def test_long_sequence_linear_sums_its_per_example_gradient_directly():
 
 
 def _wide_layer_step(budget):
-    # R = C = 768 over K = 192: the Gram form (K^2 (R + C) 3/4 per example) costs more than the
-    # passes over R C entries, but R C > K (R + C): summing directly holds 2.25 MiB net at P = 2.
+    # R = C = 768 over K = 256: the Gram form (K^2 (R + C) 3/4 per example) costs more than the
+    # passes over R C entries, but R C > K (R + C): summing directly holds 1.5 MiB net at P = 2.
     lin = _build(lambda: nn.Linear(768, 768, bias=False), dtype=torch.float32)
     step = compile_dp(lambda m, x: m(x).square().sum(), model=lin, clipping_norm=1.0, physical_batch_size=2,
                       backend="aot_eager", rewrites=[GhostClipping(materialize_budget=budget)])
-    step(_randn(2, 192, 768, dtype=torch.float32))
+    step(_randn(2, 256, 768, dtype=torch.float32))
     return step
 
 
@@ -174,14 +174,14 @@ def test_direct_sum_stays_within_its_memory_budget():
     assert _wide_layer_step(0.0).coverage == {"weight": LINEAR}
     step = _wide_layer_step(10.0)
     assert step.coverage == {"weight": SUMMED}
-    assert "2.2 MiB net" in step.describe() and "Gram-form norm" in step.describe()
+    assert "1.5 MiB net" in step.describe() and "Gram-form norm" in step.describe()
 
 
 def test_direct_sum_is_not_taken_for_low_precision_gradients():
     # A bfloat16 model's traced per-example gradient is bfloat16; the book-keeping sum is float32.
     model = _build(lambda: nn.Linear(8, 8, bias=False), dtype=torch.bfloat16)
     step = compile_dp(_tanh_sum, model=model, clipping_norm=0.5, physical_batch_size=4, backend="aot_eager")
-    step(_randn(4, 96, 8, dtype=torch.bfloat16))
+    step(_randn(4, 128, 8, dtype=torch.bfloat16))
     assert step.coverage == {"weight": LINEAR_BK}
 
 

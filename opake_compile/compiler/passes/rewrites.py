@@ -287,10 +287,12 @@ MATERIALIZE_BUDGET = 0.2
 
 #: The passes a per-example gradient summed directly costs beyond its product (written once,
 #: read by the float64 norm, read by the masked weighted sum), in multiply-adds per entry of
-#: ``P x R x C``: memory-bound, so priced as a constant per entry. Measured on CPU, one thread,
-#: against the Gram form at width 768: K = 197 (ViT-B/16, about 50 per entry in Gram
-#: multiply-adds) lost 2 %, K = 256 (about 80-130) won 5 %, K = 512 won 13-20 %.
-DIRECT_PASS_COST = 64
+#: ``P x R x C``: memory-bound, so priced as a constant per entry. Measured on a 2-core CPU at
+#: width 768, paired against the Gram form: K = 512 (GPT-2 and Llama shapes, 270-430 Gram
+#: multiply-adds per entry) gained 12-25 %; K = 256 gained 3.5 % with every layer direct but
+#: nothing with the attention layers alone (80-130 per entry); K = 197 (ViT-B/16, about 50)
+#: lost 2 %. Priced high enough that the marginal K = 256 layers keep the Gram form.
+DIRECT_PASS_COST = 96
 
 #: Coverage label of a linear layer whose per-example gradient is formed and summed directly
 #: (no Gram-form norm, no book-keeping product): chosen where that is cheaper and fits the
