@@ -840,10 +840,11 @@ REWRITE_PASSES = [ghost_clipping]
 
 
 def is_fast_path(label: str) -> bool:
-    """Whether a coverage label names a path on which no per-example copy of the parameter is
-    formed beyond the size of an activation: ghost norms, book-keeping sums (``ghost:``,
-    ``bk:``) and per-example vectors or elementwise reductions (``direct``). Every
-    ``materialized`` label is the slow path (``describe()`` says why it was kept)."""
+    """Whether a coverage label names a fast path: ghost norms, book-keeping sums (``ghost:``,
+    ``bk:``), per-example vectors or elementwise reductions (``direct``), and per-example
+    gradients summed directly where the cost model found that faster, within its memory
+    budget (``direct:``, :func:`_choose_direct`). Every ``materialized`` label is the slow
+    path (``describe()`` says why it was kept)."""
     return not label.startswith("materialized")
 
 
