@@ -162,7 +162,7 @@ def test_long_sequence_linear_sums_its_per_example_gradient_directly():
 
 def _wide_layer_step(budget):
     # R = C = 768 over K = 256: the Gram form (K^2 (R + C) 3/4 per example) costs more than the
-    # passes over R C entries, but R C > K (R + C): summing directly holds 1.5 MiB net at P = 2.
+    # passes over R C entries, but R C > K (R + C): summing directly holds 3 MiB net at P = 2 (x is an input: not freed).
     lin = _build(lambda: nn.Linear(768, 768, bias=False), dtype=torch.float32)
     step = compile_dp(lambda m, x: m(x).square().sum(), model=lin, clipping_norm=1.0, physical_batch_size=2,
                       backend="aot_eager", rewrites=[GhostClipping(materialize_budget=budget)])
@@ -174,7 +174,7 @@ def test_direct_sum_stays_within_its_memory_budget():
     assert _wide_layer_step(0.0).coverage == {"weight": LINEAR}
     step = _wide_layer_step(10.0)
     assert step.coverage == {"weight": SUMMED}
-    assert "1.5 MiB net" in step.describe() and "Gram-form norm" in step.describe()
+    assert "3.0 MiB net" in step.describe() and "Gram-form norm" in step.describe()
 
 
 def test_direct_sum_is_not_taken_for_low_precision_gradients():
@@ -190,6 +190,7 @@ def test_a_shared_input_is_freed_only_when_every_reader_sums_directly():
 
     g = torch.fx.Graph()
     shared, own_a, own_b = (g.placeholder(n) for n in ("x", "ga", "gb"))
+    shared, own_a, own_b = (g.call_function(torch.relu, (node,)) for node in (shared, own_a, own_b))
     for node, n in ((shared, 100), (own_a, 10), (own_b, 10)):
         node.meta["val"] = torch.empty(n, dtype=torch.uint8)
     holders = {shared: 2, own_a: 1, own_b: 1}
@@ -197,10 +198,20 @@ def test_a_shared_input_is_freed_only_when_every_reader_sums_directly():
     b = _Candidate("b", saving=4.0, held=60, roots=frozenset({shared, own_b}), note="b")
     # Alone, each holds 60 - 10 = 50 net: the input stays for the other's book-keeping sum.
     assert _choose_direct([a, b], holders, budget=49) == {}
-    # The first taken holds 50; the second then frees the input too: 50 - 110 = -60.
+    # The first taken holds 50; the second then frees the input too (net -50, charged as 0).
     chosen = _choose_direct([a, b], holders, budget=50)
     assert set(chosen) == {"a", "b"}
     assert "0.0 MiB net" in chosen["a"]
+    # What a layer frees does not fund another: a wide one that holds 40 more than it frees
+    # is refused after a free one (-100 + 40 would fit a budget of 0 if it did).
+    free = _Candidate("free", saving=9.0, held=10, roots=frozenset({shared, own_a}), note="")
+    wide = _Candidate("wide", saving=1.0, held=50, roots=frozenset({own_b}), note="")
+    assert set(_choose_direct([free, wide], {shared: 1, own_a: 1, own_b: 1}, budget=0)) == {"free"}
+    # Graph inputs stay alive anyway: never counted as freed.
+    x = g.placeholder("big")
+    x.meta["val"] = torch.empty(1000, dtype=torch.uint8)
+    on_input = _Candidate("c", saving=1.0, held=60, roots=frozenset({x}), note="")
+    assert _choose_direct([on_input], {x: 1}, budget=59) == {}
     # A candidate that saves nothing is never taken, however much memory there is.
     assert _choose_direct([dataclasses.replace(a, saving=-1.0)], holders, budget=10**9) == {}
 

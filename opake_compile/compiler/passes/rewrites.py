@@ -807,7 +807,9 @@ def _choose_direct(candidates: list[_Candidate], holders: Mapping[fx.Node, int],
     """The parameters to sum directly, greedily by saving per net byte held: a parameter
     is taken when it saves time and the net bytes of all taken so far stay within ``budget``.
     Net bytes: its ``P x R x C`` gradient, minus the factor roots freed once every parameter
-    reading them is taken (q, k and v share their input: it is freed by the last of them).
+    reading them is taken (q, k and v share their input: it is freed by the last of them),
+    counted as zero when negative. The budget assumes a fusing backend (Inductor): under
+    ``aot_eager`` or eager the norm's float64 copy of each G also exists, briefly.
 
     Returns:
         parameter name -> note for ``describe()``.
@@ -818,17 +820,22 @@ def _choose_direct(candidates: list[_Candidate], holders: Mapping[fx.Node, int],
     spent = 0
 
     def net(c: _Candidate) -> int:
-        freed = sum(_nbytes(r) for r in c.roots if taken.get(r, 0) + 1 == holders[r])
+        # Inputs (placeholders) stay alive whatever this pass does: never counted as freed.
+        freed = sum(
+            _nbytes(r) for r in c.roots if r.op != "placeholder" and taken.get(r, 0) + 1 == holders[r]
+        )
         return c.held - freed
 
     while left:
         costs = [(net(c), c) for c in left]
-        fits = [(n, c) for n, c in costs if spent + n <= budget]
+        # A layer that frees more than it holds does not fund another: its backward may run
+        # after the other's G is formed, and the estimate ignores when memory peaks.
+        fits = [(n, c) for n, c in costs if spent + max(n, 0) <= budget]
         if not fits:
             break
         n, best = max(fits, key=lambda nc: nc[1].saving / max(nc[0], 1))
         left.remove(best)
-        spent += n
+        spent += max(n, 0)
         chosen[best.name] = best
         for r in best.roots:
             taken[r] = taken.get(r, 0) + 1
