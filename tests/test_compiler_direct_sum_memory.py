@@ -5,10 +5,9 @@ no longer credited to another (``rewrites._choose_direct``)."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import tempfile
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -16,23 +15,12 @@ import torch.nn as nn
 from opake_compile import compile_dp
 from opake_compile.compiler.passes.rewrites import GhostClipping
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_step  # noqa: E402  (the benches' peak-bytes counter)
+
 
 def _peak_bytes(fn) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    finally:
-        os.unlink(path)
-    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e.get("ts", 0))
-    base = mem[0]["args"].get("Total Allocated", 0) - mem[0]["args"].get("Bytes", 0)
-    return max(e["args"].get("Total Allocated", 0) for e in mem) - base
+    return bench_step.peak_step_bytes(fn, "cpu")[0]
 
 
 class _Net(nn.Module):
