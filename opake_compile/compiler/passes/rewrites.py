@@ -772,17 +772,19 @@ def _survey(
             mode, gram_dtype = _plan(block, p, "auto", sum_acc)
             r, c, k = block[0].rows, block[0].cols, sum(f.k for f in block)
             passes = DIRECT_PASS_COST * p * r * c
-            if mode == "mixed":  # the mixed product forms G anyway: the book-keeping product is saved
-                gram = p * r * c * k
+            # What going direct saves: the Gram-form norm, or on the mixed path (whose product
+            # forms G anyway) the book-keeping product.
+            if mode == "mixed":
+                saved = p * r * c * k
             else:
-                gram = ghost_cost(block, p, GRAM_COST_FACTOR if gram_dtype == NORM_DTYPE else 1)
+                saved = ghost_cost(block, p, GRAM_COST_FACTOR if gram_dtype == NORM_DTYPE else 1)
             held = p * r * c * val(g).element_size()
             note = (
-                f"per-example gradient summed directly: {gram:.3g} multiply-adds of "
+                f"per-example gradient summed directly: {saved:.3g} multiply-adds of "
                 f"{'book-keeping product' if mode == 'mixed' else 'Gram-form norm'} against passes priced at "
                 f"{passes:.3g} over its P x R x C = {p} x {r} x {c} entries ({held / 2**20:.1f} MiB)"
             )
-            candidates.append(_Candidate(name, gram - passes, held, roots, note))
+            candidates.append(_Candidate(name, saved - passes, held, roots, note))
         finally:
             em.erase_since(0)
     return candidates, holders
