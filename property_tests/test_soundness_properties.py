@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from opake_compile import compile_dp
@@ -152,6 +152,49 @@ def test_extreme_magnitudes_never_escape_clipping(path, seq, log_x, log_v, log_c
     # Every example is either finite and clipped, or non-finite and dropped: never more than C.
     assert all(bool(torch.isfinite(t).all()) for t in out.grads.values())
     assert removal_ratio(step, (x, v), c) <= 1.0
+
+
+# ----------------------------------------------------------------------------- accelerators
+def _on_accelerator():
+    """Run the book-keeping operator's accelerator code (no host reads: every example's two
+    operands balanced by powers of two) on the CPU."""
+    return mock.patch("opake_compile.compiler.passes._kernels._host_reads_are_free", lambda t: False)
+
+
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+@SETTINGS
+@given(log_m=st.floats(0, 12), log_c=st.sampled_from([-4.0, 0.0, 2.0]), seed=st.integers(0, 2**16))
+def test_near_cancelling_positions_on_the_accelerator_branch(path, log_m, log_c, seed):
+    c = 10.0**log_c
+    step = _cancel_step(path, c, "aot_eager")
+    x, v = _cancel_inputs(log_m, seed)
+    with _on_accelerator():
+        assert removal_ratio(step, (x, v), c) <= 1.0
+
+
+@pytest.mark.parametrize(("path", "seq"), [("ghost", False), ("ghost", True), ("mixed", True)],
+                         ids=["ghost-rank_one", "ghost-sequence", "mixed-sequence"])
+@SETTINGS
+@given(
+    log_x=st.floats(-30, 19),
+    log_v=st.floats(-30, 0),
+    log_c=st.sampled_from([-29.0, -8.0, 0.0]),  # 1e-29: f times the small factor is subnormal
+    seed=st.integers(0, 2**16),
+)
+@example(log_x=15.0, log_v=-6.0, log_c=-29.0, seed=0)  # moved the sum by 1.33 C unbalanced
+def test_extreme_magnitudes_on_the_accelerator_branch(path, seq, log_x, log_v, log_c, seed):
+    c = 10.0**log_c
+    g = _local(seed)
+    shape = (4, 8, 16) if seq else (4, 16)
+    x = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    x = x / x.flatten(1).norm(dim=1).view(-1, *[1] * (x.dim() - 1)) * 10.0**log_x
+    v = v / v.flatten(1).norm(dim=1).view(-1, *[1] * (v.dim() - 1)) * 10.0**log_v
+    step = _magnitude_step(path, seq, c)
+    with _on_accelerator():
+        out = step(x, v).clipped
+        assert all(bool(torch.isfinite(t).all()) for t in out.grads.values())
+        assert removal_ratio(step, (x, v), c) <= 1.0
 
 
 # ----------------------------------------------------------------------------- identical examples

@@ -38,12 +38,13 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, balancing_scales
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     NORM_DTYPE,
     emit_sq_sum,
     emit_sum_sq_bound,
+    float32_matmul_is_ieee,
     gamma,
     unit_roundoff,
 )
@@ -1003,6 +1004,10 @@ def emit_clipped_sum(
     keep3 = em(aten.view.default, kept, [p, 1, 1])
     f3 = em(aten.view.default, factor, [p, 1, 1])
     zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
+    # In-graph float32 products follow the user's matmul precision (TF32 would break the
+    # slack of the released sum), the operator's do not: fused needs IEEE float32 products.
+    fused = bookkeeping == "fused" and (acc != torch.float32 or float32_matmul_is_ieee())
+    f_sel = None
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
@@ -1015,12 +1020,17 @@ def emit_clipped_sum(
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
             term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
-        elif bookkeeping == "fused":
+        elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
-            # every layer's masked copies alive at once.
+            # every layer's masked copies alive at once. Both operands are scaled so that no
+            # example's scaled entries fall into the subnormal range (no host test here).
             at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
-            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
+            at = em(aten.where.self, keep3, at, zero)
             b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
+            if f_sel is None:
+                f_sel = em(aten.where.self, keep3, f3, zero)
+            s_a, s_b = balancing_scales(em, at, b, f_sel)
+            at, b = _scaled(em, at, s_a, acc), _scaled(em, b, s_b, acc)
             a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
             term = em(aten.mm.default, a_rows, em(aten.reshape.default, b, [p * k, c]))
         else:
@@ -1033,6 +1043,13 @@ def emit_clipped_sum(
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def _scaled(em: Emitter, x: fx.Node, scale: fx.Node, acc: torch.dtype) -> fx.Node:
+    """``fl(x * scale)`` in ``acc``: the product formed in the scale's float64, rounded once."""
+    if acc == NORM_DTYPE:
+        return em(aten.mul.Tensor, x, scale)
+    return _as_dtype(em, em(aten.mul.Tensor, _as_dtype(em, x, NORM_DTYPE), scale), acc)
 
 
 def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
@@ -1071,13 +1088,8 @@ def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: to
     a = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.a, wide), [p, ng, r, k]), zero)
     b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, wide), [p, ng, k, c]), zero)
     if acc == wide:
-        big_a = em(aten.amax.default, em(aten.abs.default, a), [1, 2, 3], True)
-        big_b = em(aten.amax.default, em(aten.abs.default, b), [1, 2, 3], True)
-        on_a = em(aten.ge.Tensor, big_a, big_b)
-        a, b = (
-            em(aten.where.self, on_a, em(aten.mul.Tensor, a, f4), a),
-            em(aten.where.self, on_a, b, em(aten.mul.Tensor, b, f4)),
-        )
+        s_a, s_b = balancing_scales(em, a, b, f4)  # f on the operand with the larger entries
+        a, b = em(aten.mul.Tensor, a, s_a), em(aten.mul.Tensor, b, s_b)
     else:
         a = em(aten.mul.Tensor, a, f4)
     a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])

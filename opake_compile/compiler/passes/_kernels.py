@@ -61,16 +61,25 @@ def bookkeeping_mm(
         else:
             left = at if at.dtype == acc else at.to(acc)
             right = torch.mul(b, f3) if b.dtype == acc else b.to(acc).mul_(f3)
+        scaled = left if scale_left else right
     else:
-        scale_left = True
         keep = kept.view(p, 1, 1)
         # The factor is selected too, so the result never depends on an excluded row's
         # factor (callers pass zero there, but 0 * NaN would not be zero).
         f3 = torch.where(keep, f3, 0)
-        left = torch.where(keep, at, 0).to(acc).mul_(f3)
+        left = torch.where(keep, at, 0).to(acc)
         right = torch.where(keep, b, 0).to(acc)
-    if at.device.type == "cpu" and _scaled_underflows(left if scale_left else right, f3, acc):
-        # (A host-side test: free on CPU, a sync per layer elsewhere, where it is not made.)
+        if _host_reads_are_free(at):
+            scaled = left.mul_(f3)
+        else:
+            # No host-side test here (it would be a sync per layer): every example's two
+            # copies are balanced instead, whatever their scale.
+            s_left, s_right = balancing_scales(_eager, left, right, f3)
+            left.mul_(s_left)  # formed in the scales' float64, rounded once to acc
+            right.mul_(s_right)
+            scaled = None
+    if scaled is not None and _scaled_underflows(scaled, f3, acc):
+        # (A host-side test: free on CPU.)
         left, right = _exact_scaling(at, b, kept, f3, acc)
     if left.dtype == torch.float32 and not float32_matmul_is_ieee():
         # The slack rho of the released sum assumes IEEE float32 products; TF32 operands
@@ -80,9 +89,16 @@ def bookkeeping_mm(
     return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c)).to(acc)
 
 
+def _host_reads_are_free(t: torch.Tensor) -> bool:
+    """Whether reading a value of ``t`` on the host costs nothing (a CPU tensor); on an
+    accelerator it would be a synchronisation, which this operator never makes. (Tests
+    patch it to run the accelerator's code on the CPU.)"""
+    return t.device.type == "cpu"
+
+
 def _kept_prefix(kept: torch.Tensor, all_kept: torch.Tensor) -> int | None:
     """``m`` when ``kept`` (on the CPU) is True on exactly its first ``m`` rows, else ``None``."""
-    if all_kept.device.type != "cpu":
+    if not _host_reads_are_free(all_kept):
         return None
     if bool(all_kept):
         return kept.shape[0]
@@ -121,10 +137,80 @@ def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: to
         left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
         return left, torch.where(keep, b, 0).to(wide)
     a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
-    on_left = (a_acc.abs().amax(dim=(1, 2)) >= b_acc.abs().amax(dim=(1, 2))).view(-1, 1, 1)
-    left = torch.where(on_left, a_acc * f3, a_acc)
-    right = torch.where(on_left, b_acc, b_acc * f3)
-    return left, right
+    s_left, s_right = balancing_scales(_eager, a_acc, b_acc, f3)  # f on one side, 1 on the other
+    return a_acc * s_left, b_acc * s_right
+
+
+def _eager(op, *args, **kwargs):  # the ``call`` of balancing_scales outside a graph
+    return op(*args, **kwargs)
+
+
+def balancing_scales(call, left, right, f3):
+    """Per-example scales ``(s_left, s_right)``, float64 and shaped like ``f3``, with
+    ``s_left * s_right == f3`` exactly, such that ``fl(left * s_left) @ fl(right * s_right)``
+    carries no more rounding than an unscaled product, with no host read (no ``if`` on values).
+
+    Why: the book-keeping sum ``sum_i f_i A_i^T B_i`` applies ``f_i`` to one operand first.
+    Where that lands below the sum dtype's normal range (a tiny C next to large activations:
+    C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits and may round
+    up, and the product with the large other operand carries that into the sum (measured:
+    1.33 C). The CPU operator tests for it and recomputes exactly (:func:`_exact_scaling`);
+    accelerators and the fused in-graph sums cannot test without a host synchronisation, so
+    they always apply these scales.
+
+    Float32 sums (the operands' dtype): ``s_left = f 2^-e``, ``s_right = 2^e`` with
+    ``e = trunc((log2(f L) - log2 R) / 2)`` (L, R the largest entries of the example's two
+    operands; e = 0 where either is zero or not finite). Both scaled maxima then lie within a
+    factor of 2 of ``g = sqrt(f L R)`` and below ``max(f L, R)`` (so nothing new overflows);
+    ``2^e`` is built from its bits, exact, and ``fl(right 2^e)`` is exact unless subnormal.
+    A clipped example has ``C <= f ||G_i|| <= f K sqrt(R_dim C_dim) L R``, so with
+    ``C >= 2^-100`` and ``K sqrt(R_dim C_dim) < 2^40``, ``g >= 2^-70``: both maxima are far
+    above float32's ``tiny / u = 2^-102``, the threshold of the CPU test, and the absolute
+    error 2^-150 of any subnormal entry is under 2^-79 of the largest product. An unclipped
+    example with ``g < 2^-101`` contributes under 2^-160 in all, next to C >= 2^-100.
+    Float64 sums: ``f`` goes to the operand with the larger entries (the argument is
+    :func:`_exact_scaling`'s), the other scale is 1.
+
+    Args:
+        call: ``call(op, *args)`` applies an ATen overload: :func:`_eager` on tensors, or an
+            :class:`~opake_compile.compiler._graph_utils.Emitter` to emit graph nodes.
+        left, right: ``(P, ...)`` operands in the sum dtype (float32 or float64), excluded
+            examples already selected to zero.
+        f3: ``(P, 1, ...)`` clip factors in the sum dtype, zero for excluded examples.
+    """
+    aten = torch.ops.aten
+    wide = torch.float64
+    dims = list(range(1, _meta(left).dim()))
+    big_l = call(aten.amax.default, call(aten.abs.default, left), dims, True)
+    big_r = call(aten.amax.default, call(aten.abs.default, right), dims, True)
+    f_w = call(aten._to_copy.default, f3, dtype=wide)
+    one = call(aten.scalar_tensor.default, 1.0, dtype=wide)
+    if _meta(f3).dtype == wide:
+        on_left = call(aten.ge.Tensor, big_l, big_r)
+        return call(aten.where.self, on_left, f_w, one), call(aten.where.self, on_left, one, f_w)
+    log_l = call(aten.add.Tensor, call(aten.log2.default, call(aten._to_copy.default, big_l, dtype=wide)),
+                 call(aten.log2.default, f_w))
+    log_r = call(aten.log2.default, call(aten._to_copy.default, big_r, dtype=wide))
+    e = call(aten.trunc.default, call(aten.mul.Tensor, call(aten.sub.Tensor, log_l, log_r), 0.5))
+    zero = call(aten.scalar_tensor.default, 0.0, dtype=wide)
+    e = call(aten.where.self, call(aten.isfinite.default, e), e, zero)
+    # |e| <= 214 for float32 operands; the clamp only keeps the bit construction in range.
+    e = call(aten.clamp.default, e, -1000.0, 1000.0)
+    e_int = call(aten._to_copy.default, e, dtype=torch.int64)
+    up = _power_of_two(call, e_int)
+    down = _power_of_two(call, call(aten.neg.default, e_int))
+    return call(aten.mul.Tensor, f_w, down), up
+
+
+def _power_of_two(call, e_int):
+    """``2^e`` in float64 from its bits (exact for -1022 <= e <= 1023)."""
+    aten = torch.ops.aten
+    biased = call(aten.add.Tensor, e_int, 1023)
+    return call(aten.view.dtype, call(aten.bitwise_left_shift.Tensor_Scalar, biased, 52), torch.float64)
+
+
+def _meta(x):  # a tensor, or a graph node's fake value
+    return x if isinstance(x, torch.Tensor) else x.meta["val"]
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost

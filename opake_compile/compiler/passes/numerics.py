@@ -93,8 +93,9 @@ things are needed:
    near-cancelling example moved the sum by 1.0013 C). The norms already take that into
    account (:func:`unit_roundoff` with ``matmul=True``); the book-keeping product
    ``opake::bookkeeping_mm`` runs under :func:`ieee_float32_matmul` whatever the user set.
-   The in-graph products of ``bookkeeping="fused"`` and of grouped convolutions' sums follow
-   the user's setting (not yet covered).
+   ``bookkeeping="fused"`` forms float32 sums with the operator when the setting is not IEEE
+   at trace time (the step traces again when it changes); grouped convolutions' in-graph
+   sums of float32 models are float64 products, which the setting does not touch.
 
    The book-keeping sum applies ``f_i`` to one factor before the product. Where ``f_i`` times
    that factor falls below the sum dtype's normal range (tiny C next to large activations:
@@ -103,8 +104,12 @@ things are needed:
    ``opake::bookkeeping_mm`` detects it on CPU and then forms the float32 products in
    float64, or, for float64 sums, applies ``f_i`` to the operand with the larger entries
    (``_kernels._exact_scaling``); grouped convolutions' in-graph sums always do the same
-   (``_factors._grouped_sum``). Not yet covered: ``bookkeeping="fused"``, and the per-layer
-   operator on accelerators (its test is a host sync there).
+   (``_factors._grouped_sum``). Where that test would be a host synchronisation (the
+   operator on an accelerator) or is not possible (``bookkeeping="fused"``'s in-graph
+   products), both operands always carry per-example scales ``f_i 2^-e`` and ``2^e``
+   (``_kernels.balancing_scales``; float64 sums: ``f_i`` on the larger operand), which put
+   both operands' largest entries within a factor 2 of ``sqrt(f_i L R)``, at least 2^-71 for
+   a clipped example, far above the subnormal range.
 
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples

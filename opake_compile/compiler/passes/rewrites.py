@@ -317,7 +317,12 @@ class GhostClipping:
             ``"fused"``: plain graph ops that Inductor fuses into the kernel computing the clip
             factor; it saves the per-call cost (~50 us per layer on CPU, visible on small models:
             MLP bench 1.04x instead of ~1.1x the non-private time) but can keep every layer's
-            masked copies alive at once (MLP bench: 1.5x memory). Same result either way.
+            masked copies alive at once (MLP bench: 1.5x memory). Same result up to
+            rounding. Its products follow the process's float32 matmul precision, so where
+            that is not IEEE (``torch.set_float32_matmul_precision("high")``: TF32 on a GPU)
+            float32 sums use the operator instead, and its two operands carry per-example
+            power-of-two scales (``_kernels.balancing_scales``) so that no clip factor meets
+            the subnormal range.
         force: parameter name -> one of :data:`FORCEABLE_PATHS`, overriding the cost model
             (for tests of each path's numerics, and for users who know better). A forced
             path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
