@@ -512,9 +512,9 @@ def test_clip_factor_times_a_small_factor_stays_within_c(path, dtype, x_scale, b
 
 
 @pytest.mark.inductor
-def test_fused_bookkeeping_balances_its_operands_under_inductor():
-    # The fused sums' power-of-two scales (built from their bits) lowered for real; the same
-    # hostile example as above, 1.33 C with the clip factor on one operand.
+def test_fused_bookkeeping_keeps_subnormal_scaled_factors_out_under_inductor():
+    # The fused sums' in-graph selection lowered for real, on the hostile example above
+    # (1.16 C here with the clip factor simply applied; the example now adds nothing).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Linear(8, 4, bias=False)
@@ -527,9 +527,147 @@ def test_fused_bookkeeping_balances_its_operands_under_inductor():
         x = torch.randn(2, 8, generator=g) * 1e15
         v = torch.randn(2, 4, generator=g) * 1e-6
         out = step(x[:1], v[:1])  # one real example, one padded row
+        assert out.clipped.num_nonfinite == 0
         worst = max(worst, float(out.clipped.grads["weight"].double().norm()) / c)
-    assert 0.99 < worst <= 1.0
+    assert worst <= 1.0
     assert step.num_backend_compiles == 1
+
+
+@pytest.mark.parametrize("bookkeeping", ["per_layer", "fused"])
+def test_a_small_entry_next_to_a_large_partner_stays_within_c(bookkeeping, operator_branch):
+    # A hostile review's counterexample to rescaling both operands by powers of two (float64
+    # Grams, C = 2^-100): position 0's huge input has a zero output gradient, position 1's
+    # tiny input a unit one. Scaling the input operand down made the tiny entry subnormal,
+    # rounded up: 1.95 C.
+    from unittest import mock
+
+    c = 2.0**-100
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Linear(4, 4, bias=False)
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": "ghost"}, bookkeeping=bookkeeping)])
+    with mock.patch("opake_compile.compiler.passes.rewrites.fast_gram_ok", lambda *a: False):
+        step(torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))  # traced with float64 Grams
+    x, v = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)
+    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**100, 1.025 * 2.0**-100, 1.0
+    out = step(x, v).clipped
+    assert out.num_nonfinite == 0
+    assert float(out.grads["weight"].double().norm()) / c <= 1.0
+
+
+_SMALL_ENTRIES_LIMIT = pytest.mark.xfail(strict=True, reason=(
+    "known limit (open): the subnormal test reads f times an operand's LARGEST entry; smaller "
+    "scaled entries can be subnormal next to huge partners (2^55 inputs at C = 2^-100): 31.9 C"
+))
+
+
+@_SMALL_ENTRIES_LIMIT
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+def test_small_scaled_entries_next_to_huge_partners_stay_within_c(path):
+    # A third review's construction: output gradients [v1, s, -2 s] against inputs
+    # [x1, L, L / 2]. The last two positions cancel in G but carry the mass, so f is set by
+    # it; f s and 2 f s round to the smallest subnormal, and the pair adds ~2^-150 L / 2 ~ 32 C
+    # instead of 0, while f v1 is normal, so no test catches the example.
+    c = 2.0**-100
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Linear(1, 1, bias=False)
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path})])
+    s_ = 2.0**-40 * (1 + 47 / 48)
+    x, v = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
+    v[0, :, 0] = torch.tensor([2.0**12, s_, -2 * s_])
+    x[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
+    g = _gen(0)
+    x[1], v[1] = torch.randn(3, 1, generator=g), torch.randn(3, 1, generator=g)
+    moved = float((step(x, v).clipped.grads["weight"].double() - step(x[1:], v[1:]).clipped.grads["weight"].double()).norm())
+    assert moved / c <= 1.0
+
+
+@pytest.mark.parametrize(("lx0", "lx1", "lv1"), [(300, -300, 300), (0, -600, 600), (0, 0, 0)])
+def test_float64_tied_embedding_rescaling_covers_the_dense_term(lx0, lx1, lv1):
+    # A one-hot (embedding) term and a dense one (the tied head) of one float64 weight: the
+    # one-hot left factor is not scaled, and the dense one was left unscaled with it (2^300),
+    # outside the underflow bound's premise: 100 C. Now each dense term moves its scale into
+    # its right factor: extreme examples are dropped as non-finite or clipped, an ordinary
+    # one keeps its norm.
+    def loss(m, ids, u, x, v):
+        return (m(ids) * u).sum() + (F.linear(x, m.weight) * v).sum()
+
+    c = 0.01
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Embedding(4, 4).double()
+    step = compile_dp(loss, model=model, clipping_norm=c, physical_batch_size=2, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"weight": "ghost"})])
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    u = torch.zeros(1, 3, 4, dtype=torch.float64)
+    x, v = torch.zeros(1, 3, 4, dtype=torch.float64), torch.zeros(1, 3, 4, dtype=torch.float64)
+    x[0, 0, 0] = 2.0**lx0  # sets the scale; its output gradient is 0
+    x[0, 1, 0], v[0, 1, 0] = 2.0**lx1, 2.0**lv1  # G = 2^(lx1 + lv1) e0 e0^T: norm 1
+    out = step(ids, u, x, v).clipped
+    assert float(out.grads["weight"].norm()) <= c
+    norm = float(out.per_example_norms[0])
+    assert out.num_nonfinite == 1 or 1.0 <= norm <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("bookkeeping", ["per_layer", "fused"])
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+@pytest.mark.parametrize(
+    "dtype, c, lx, lv, shift",
+    [(torch.float32, 2.0**-100, 7.0, -60.0, 1.0), (torch.float32, 2.0**-100, 60.0, -70.0, 60.0),
+     (torch.float64, 1.0, 974.5, -900.0, 1.0)],
+    ids=["f32-scaled-subnormal", "f32-scaled-to-zero", "f64"],
+)
+def test_cancelling_terms_of_one_parameter_are_kept_or_dropped_together(dtype, c, lx, lv, shift, path, bookkeeping,
+                                                                        operator_branch):
+    # A weight used twice: the attacker's two terms cancel (G = 0), and the clip factor times
+    # one term's output gradient falls below the normal range (or to zero) while the other's
+    # does not. Dropping or zeroing that term alone released the other: 32 C (a review).
+    def loss(m, x, v, y, w):
+        return (m(x) * v).sum() + (m(y) * w).sum()
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Linear(4, 4, bias=False).to(dtype)
+    step = compile_dp(loss, model=model, clipping_norm=c, physical_batch_size=2, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"weight": path}, bookkeeping=bookkeeping)])
+    x = torch.zeros(2, 2, 4, dtype=dtype)
+    v, y, w = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
+    x[0, 0, 0], v[0, 0, 0] = 2.0**lx, 2.0**lv  # term 1: 2^(lx + lv) e0 e0^T
+    y[0, 0, 0], w[0, 0, 0] = 2.0 ** (lx - shift), -(2.0 ** (lv + shift))  # term 2 = -term 1
+    g = _gen(0)
+    x[1], v[1], y[1], w[1] = (torch.randn(2, 4, generator=g, dtype=dtype) * c for _ in range(4))
+    full = step(x, v, y, w).clipped.grads
+    part = step(x[1:], v[1:], y[1:], w[1:]).clipped.grads
+    moved = math.sqrt(sum(float((full[k].double() - part[k].double()).square().sum()) for k in full))
+    assert moved / c <= 1.0
+
+
+@pytest.mark.parametrize("path", ["ghost", "mixed"])
+def test_float64_rescaling_cannot_hide_a_small_entry_with_a_large_partner(path, operator_branch):
+    # Float64 factors are scaled per example by their largest entry (_rescale_float64). An
+    # input of 2^300 whose output gradient is 0 set the scale; a 2^-300 input meeting an output
+    # gradient of 2^300 then underflowed in the Gram (or product) squares: norm 0, unclipped,
+    # 100 C. Now the underflow is bounded: the example is clipped (or dropped as non-finite).
+    c = 0.01
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Linear(4, 4, bias=False).double()
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path})])
+    x = torch.zeros(1, 2, 4, dtype=torch.float64)
+    v = torch.zeros(1, 2, 4, dtype=torch.float64)
+    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**300, 2.0**-300, 2.0**300  # G = e0 e0^T, norm 1
+    out = step(x, v).clipped
+    assert float(out.grads["weight"].norm()) <= c
+    assert out.num_nonfinite == 1 or float(out.per_example_norms[0]) >= 1.0  # a bound, never below
+    # An ordinary float64 example keeps an accurate norm.
+    x2, v2 = torch.randn(1, 2, 4, dtype=torch.float64), torch.randn(1, 2, 4, dtype=torch.float64)
+    exact = float(torch.einsum("btj,bti->ij", x2, v2).norm())
+    got = float(step(x2, v2).clipped.per_example_norms[0])
+    assert exact <= got <= exact * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("dtype, x_scale, v_scale", [(torch.float32, 1e15, 1e-6), (torch.float64, 1e292, 1e-150)])

@@ -38,9 +38,11 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, balancing_scales
+from opake_compile.compiler.passes import _kernels
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, subnormal_scaled
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
+    FLOAT64_TINY,
     NORM_DTYPE,
     emit_sq_sum,
     emit_sum_sq_bound,
@@ -556,6 +558,8 @@ def emit_sq_norm(
         s = s_parts[0]
         for part in s_parts[1:]:
             s = em(aten.add.Tensor, s, part)
+    if unscale is not None:
+        s = em(aten.add.Tensor, s, _underflow64(factors)[0])
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         frob = _frobenius_rounding(em, factors, frob_parts, fast_norms) if fast and frob_parts else None
@@ -563,8 +567,32 @@ def emit_sq_norm(
     if fast:
         total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
     if unscale is not None:
-        total, mass_sq = unscale(total), unscale(mass_sq)
+        total = unscale(em(aten.add.Tensor, total, _underflow64(factors)[1]))
+        # S back to true units before squaring: a scaled S near 2^-537, squared, loses digits.
+        s = unscale(s, power=1)
+        mass_sq = em(aten.mul.Tensor, s, s)
     return total, mass_sq
+
+
+def _underflow64(factors: list[Factor]) -> tuple[float, float]:
+    """What float64 underflow can hide in the Gram form of factors scaled by
+    :func:`_rescale_float64` (every entry at most 1 in magnitude): ``(to S, to the squared
+    norm)``, in scaled units.
+
+    A scaled entry far below its example's largest one can pair with a large partner in the
+    other factor (an input of 2^300 at a position whose output gradient is 0 sets the scale,
+    a 2^-300 one meets an output gradient of 2^300): its square underflows and the example's
+    norm came out 0, unclipped (100 C at C = 0.01). Each product that underflows loses under
+    2^-1074, so a Gram entry of A is off by at most ``R 2^-1074`` besides its relative
+    rounding, one of B by ``C 2^-1074``, and their entries are at most R and C: the squared
+    norm, a sum over K^2 pairs, is off by at most ``K^2 (2 R C 2^-1074 + R C 2^-2148)``, added
+    doubled. Each diagonal term ``sqrt(||a_k||^2 ||b_k||^2)`` of S is off by at most
+    ``sqrt(R C) (2^-537 + 2^-537 + 2^-1074)``. On ordinary data both are some 2^-1000 of the
+    norm; an example whose norm underflowed gets a bound far above it and is clipped."""
+    k = sum(f.k for f in factors)
+    r = max([f.rows for f in factors if not f.onehot] + [1])
+    c = max(f.cols for f in factors)
+    return 3.0 * k * math.sqrt(r * c) * 2.0**-537, 6.0 * k * k * r * c * FLOAT64_TINY
 
 
 #: A parameter's terms are centred before their float32 Gram matrices are formed
@@ -758,15 +786,19 @@ def _bound_underflow(em: Emitter, factors: list[Factor], sq: fx.Node, fa: fx.Nod
 
 def _rescale_float64(
     em: Emitter, factors: list[Factor], cache: dict | None = None
-) -> tuple[list[Factor], Callable[[fx.Node], fx.Node]]:
+) -> tuple[list[Factor], Callable[..., fx.Node]]:
     """Factors scaled per example by exact powers of two (largest entry in [1/4, 1)), and the
-    function that maps a squared quantity computed from them back: ``x * 2^(2 (e_a + e_b))``.
+    function that maps a squared quantity computed from them back, ``x * 2^(2 (e_a + e_b))``
+    (``unscale(x, power=1)``: a norm, ``x * 2^(e_a + e_b)``).
 
-    The squares of the scaled factors cannot overflow and lose only entries below 2^-536 of
-    the largest, so the squared norm is exact up to rounding. Undoing the scale saturates:
+    The squares of the scaled factors cannot overflow; they underflow for entries below
+    2^-537 of the largest, which can still pair with large entries of the other factor, so
+    the callers add what underflow can hide (:func:`_underflow64`, and the mixed path's own
+    ``K sqrt(R C) 2^-1074``) before undoing the scale. Undoing the scale saturates:
     a norm below ~2^-1074 becomes 0 (the example is then far below any admissible C), one
     above ~2^1024 becomes inf (the example is dropped as non-finite and counted). One-hot
-    left factors have unit entries, so the left scale is 1 when any term is one-hot."""
+    left factors have unit entries and are not scaled: with one, each dense term's left
+    scale is moved into its right factor instead."""
     p = shape(factors[0].b)[0]
 
     def exponent(nodes: list[fx.Node]) -> fx.Node:
@@ -785,6 +817,30 @@ def _rescale_float64(
         s = em(aten.exp2.default, em(aten.neg.default, e))
         return em(aten.mul.Tensor, _as_dtype(em, node, NORM_DTYPE), em(aten.view.default, s, [p, 1, 1]))
 
+    if any(f.onehot for f in factors) and not all(f.onehot for f in factors):
+        # A one-hot left factor has unit entries and stays as it is, so a dense term's left
+        # factor cannot share a common left scale: each dense term moves its own scale into
+        # its right factor, A_j B_j = (A_j 2^-ea_j)(B_j 2^ea_j), and the right factors share
+        # one scale e, so that every scaled entry is at most 1 (unscaled, a dense 2^300 left
+        # factor broke _underflow64's premise: 100 C). Each right factor is brought to its own
+        # largest entry first, then down by 2^(t_j - e) <= 1: nothing overflows, and what
+        # underflows is below 2^-1074 (bounded as any other underflow).
+        terms = []
+        for f in factors:
+            ea_j = None if f.onehot else exponent([f.a])
+            eb_j = exponent([f.b])
+            terms.append((f, ea_j, eb_j, eb_j if ea_j is None else em(aten.add.Tensor, ea_j, eb_j)))
+        e1 = terms[0][3]
+        for *_, t in terms[1:]:
+            e1 = em(aten.maximum.default, e1, t)
+        out = [
+            dataclasses.replace(
+                f, a=f.a if ea_j is None else scaled(f.a, ea_j),
+                b=scaled(scaled(f.b, eb_j), em(aten.sub.Tensor, e1, t)),
+            )
+            for f, ea_j, eb_j, t in terms
+        ]
+        return out, _unscaler(em, e1)
     if cache is not None and len(factors) == 1:
         # One term: its right factor's scale depends on that factor alone, so layers reading
         # the same input (q/k/v) share the scaled node, and with it their Gram matrix.
@@ -802,15 +858,20 @@ def _rescale_float64(
         dataclasses.replace(f, a=f.a if ea is None else scaled(f.a, ea), b=b)
         for f, b in zip(factors, b_nodes)
     ]
-    e2 = em(aten.mul.Tensor, eb if ea is None else em(aten.add.Tensor, ea, eb), 2.0)
-    back = em(aten.exp2.default, e2)
+    return out, _unscaler(em, eb if ea is None else em(aten.add.Tensor, ea, eb))
 
-    def unscale(x: fx.Node) -> fx.Node:
+
+def _unscaler(em: Emitter, e1: fx.Node) -> Callable[..., fx.Node]:
+    """``unscale(x, power=2)``: ``x * 2^(power e1)``, ``power`` 2 for squared quantities, 1
+    for norms (:func:`_rescale_float64`)."""
+
+    def unscale(x: fx.Node, power: int = 2) -> fx.Node:
+        back = em(aten.exp2.default, em(aten.mul.Tensor, e1, float(power)))
         zero = em(aten.scalar_tensor.default, 0.0, dtype=NORM_DTYPE)
         # 0 * inf would be NaN: an exactly zero norm stays zero whatever the scale.
         return em(aten.where.self, em(aten.eq.Scalar, x, 0.0), zero, em(aten.mul.Tensor, x, back))
 
-    return out, unscale
+    return unscale
 
 
 def _bound_rounding(
@@ -956,11 +1017,15 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
         g = term if g is None else em(aten.add.Tensor, g, term)
         # Per-position norms, bounded above: ||a_k|| over R (1 for a one-hot column), ||b_k|| over C.
         if acc == NORM_DTYPE:
+            # Scaled float64 factors (entries at most 1): a square that underflows loses under
+            # 2^-1074, added per term so that S stays an upper bound (as emit_sum_sq_bound does).
             nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
+            nb = em(aten.add.Tensor, nb, f.cols * FLOAT64_TINY)
             if f.onehot:
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             else:
                 na = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, f.a, nd)), [1])
+                na = em(aten.add.Tensor, na, f.rows * FLOAT64_TINY)
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         else:
             nb = emit_sum_sq_bound(em, f.b, [2], f.cols)
@@ -970,16 +1035,24 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
                 na = emit_sum_sq_bound(em, f.a, [1], f.rows)
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         s = part if s is None else em(aten.add.Tensor, s, part)
-    norm = em(aten.sqrt.default, emit_sq_sum(em, em(aten.reshape.default, g, [p, -1])))
     r, c = factors[0].rows, factors[0].cols
-    slack = em(aten.mul.Tensor, s, gamma(k_total, unit_roundoff(prod, matmul=True)))
-    if prod != torch.float64:
-        slack = em(aten.add.Tensor, slack, k_total * math.sqrt(r * c) * FLOAT32_TINY)
-    bound = em(aten.add.Tensor, norm, slack)
-    sq, mass_sq = em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
+    sq_g = emit_sq_sum(em, em(aten.reshape.default, g, [p, -1]))
     if unscale is not None:
-        sq, mass_sq = unscale(sq), unscale(mass_sq)
-    return sq, mass_sq
+        # Scaled float64 G: its entries' squares may underflow (each loses under 2^-1074).
+        sq_g = em(aten.add.Tensor, sq_g, r * c * FLOAT64_TINY)
+    norm = em(aten.sqrt.default, sq_g)
+    slack = em(aten.mul.Tensor, s, gamma(k_total, unit_roundoff(prod, matmul=True)))
+    # Products that underflow (each loses under the dtype's smallest subnormal): in float32
+    # products, and in float64 ones of scaled float64 factors (_rescale_float64), where a
+    # small entry can meet a large partner.
+    tiny = FLOAT32_TINY if prod != torch.float64 else (FLOAT64_TINY if unscale is not None else 0.0)
+    if tiny:
+        slack = em(aten.add.Tensor, slack, k_total * math.sqrt(r * c) * tiny)
+    bound = em(aten.add.Tensor, norm, slack)
+    if unscale is not None:
+        # Back to true units before squaring (a scaled bound near 2^-537 would lose digits).
+        bound, s = unscale(bound, power=1), unscale(s, power=1)
+    return em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
 
 
 def emit_clipped_sum(
@@ -1007,7 +1080,20 @@ def emit_clipped_sum(
     # In-graph float32 products follow the user's matmul precision (TF32 would break the
     # slack of the released sum), the operator's do not: fused needs IEEE float32 products.
     fused = bookkeeping == "fused" and (acc != torch.float32 or float32_matmul_is_ieee())
-    f_sel = None
+    if fused or not _kernels._host_reads_are_free(val(kept)):  # (a module attribute: tests patch it)
+        # No host test of the clip factor against the subnormal range here (in-graph
+        # products, or the operator on an accelerator): an example it would catch in any
+        # dense term has its factor zeroed for every term of this parameter together.
+        f3 = em(aten.where.self, keep3, f3, zero)
+        danger = None
+        for f in factors:
+            if not f.onehot and f.groups == 1:
+                a = em(aten.where.self, keep3, _as_dtype(em, f.a, acc), zero)
+                d = subnormal_scaled(em, a, f3, acc)
+                danger = d if danger is None else em(aten.logical_or.default, danger, d)
+        if danger is not None:
+            f3 = em(aten.where.self, danger, zero, f3)
+            factor = em(aten.view.default, f3, [p])
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
@@ -1022,15 +1108,10 @@ def emit_clipped_sum(
             term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
         elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
-            # every layer's masked copies alive at once. Both operands are scaled so that no
-            # example's scaled entries fall into the subnormal range (no host test here).
+            # every layer's masked copies alive at once.
             at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
-            at = em(aten.where.self, keep3, at, zero)
+            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
             b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
-            if f_sel is None:
-                f_sel = em(aten.where.self, keep3, f3, zero)
-            s_a, s_b = balancing_scales(em, at, b, f_sel)
-            at, b = _scaled(em, at, s_a, acc), _scaled(em, b, s_b, acc)
             a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
             term = em(aten.mm.default, a_rows, em(aten.reshape.default, b, [p * k, c]))
         else:
@@ -1043,13 +1124,6 @@ def emit_clipped_sum(
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
-
-
-def _scaled(em: Emitter, x: fx.Node, scale: fx.Node, acc: torch.dtype) -> fx.Node:
-    """``fl(x * scale)`` in ``acc``: the product formed in the scale's float64, rounded once."""
-    if acc == NORM_DTYPE:
-        return em(aten.mul.Tensor, x, scale)
-    return _as_dtype(em, em(aten.mul.Tensor, _as_dtype(em, x, NORM_DTYPE), scale), acc)
 
 
 def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
@@ -1088,8 +1162,13 @@ def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: to
     a = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.a, wide), [p, ng, r, k]), zero)
     b = em(aten.where.self, keep4, em(aten.reshape.default, _as_dtype(em, f.b, wide), [p, ng, k, c]), zero)
     if acc == wide:
-        s_a, s_b = balancing_scales(em, a, b, f4)  # f on the operand with the larger entries
-        a, b = em(aten.mul.Tensor, a, s_a), em(aten.mul.Tensor, b, s_b)
+        big_a = em(aten.amax.default, em(aten.abs.default, a), [1, 2, 3], True)
+        big_b = em(aten.amax.default, em(aten.abs.default, b), [1, 2, 3], True)
+        on_a = em(aten.ge.Tensor, big_a, big_b)
+        a, b = (
+            em(aten.where.self, on_a, em(aten.mul.Tensor, a, f4), a),
+            em(aten.where.self, on_a, b, em(aten.mul.Tensor, b, f4)),
+        )
     else:
         a = em(aten.mul.Tensor, a, f4)
     a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])

@@ -55,13 +55,13 @@ def bookkeeping_mm(
     if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
         scale_left = r <= c
+        exact = bool(subnormal_scaled(_eager, at if scale_left else b, f3, acc).any())
         if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
         else:
             left = at if at.dtype == acc else at.to(acc)
             right = torch.mul(b, f3) if b.dtype == acc else b.to(acc).mul_(f3)
-        scaled = left if scale_left else right
     else:
         keep = kept.view(p, 1, 1)
         # The factor is selected too, so the result never depends on an excluded row's
@@ -69,17 +69,13 @@ def bookkeeping_mm(
         f3 = torch.where(keep, f3, 0)
         left = torch.where(keep, at, 0).to(acc)
         right = torch.where(keep, b, 0).to(acc)
-        if _host_reads_are_free(at):
-            scaled = left.mul_(f3)
-        else:
-            # No host-side test here (it would be a sync per layer): every example's two
-            # copies are balanced instead, whatever their scale.
-            s_left, s_right = balancing_scales(_eager, left, right, f3)
-            left.mul_(s_left)  # formed in the scales' float64, rounded once to acc
-            right.mul_(s_right)
-            scaled = None
-    if scaled is not None and _scaled_underflows(scaled, f3, acc):
-        # (A host-side test: free on CPU.)
+        # On an accelerator, no host-side test (a sync per layer): the graph has already
+        # zeroed the factor of any example the test would catch, for every term of the
+        # parameter together (_factors.emit_clipped_sum).
+        exact = _host_reads_are_free(at) and bool(subnormal_scaled(_eager, left, f3, acc).any())
+        left.mul_(f3)
+    if exact:
+        # (A host-side test: free on CPU.) The products are then formed exactly.
         left, right = _exact_scaling(at, b, kept, f3, acc)
     if left.dtype == torch.float32 and not float32_matmul_is_ieee():
         # The slack rho of the released sum assumes IEEE float32 products; TF32 operands
@@ -106,19 +102,6 @@ def _kept_prefix(kept: torch.Tensor, all_kept: torch.Tensor) -> int | None:
     return m if bool(kept[:m].all()) else None
 
 
-def _scaled_underflows(scaled: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> bool:
-    """Whether some example's scaled factor ``x_i f_i`` (nonzero ``f_i``) has its largest entry
-    below ``tiny / u`` of ``acc``: its entries then lose precision in the subnormal range, and
-    the product with the other (large) factor would carry that rounding, which can go up,
-    into the sum (measured: one example moved a float32 sum by 1.33 C with C = 1e-29 and
-    inputs ~1e15, although its norm was exact). One read of the scaled factor."""
-    fi = torch.finfo(acc)
-    low = fi.tiny / (fi.eps / 2)
-    big = scaled.abs().amax(dim=(1, 2))
-    # An all-zero scaled factor (zero output gradients, a layer LayerDrop skipped) is exact.
-    return bool(((big < low) & (big > 0) & (f3.view(-1) > 0)).any())
-
-
 def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The two factors with the clip factor applied where no product leaves the normal range.
 
@@ -137,76 +120,52 @@ def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: to
         left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
         return left, torch.where(keep, b, 0).to(wide)
     a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
-    s_left, s_right = balancing_scales(_eager, a_acc, b_acc, f3)  # f on one side, 1 on the other
-    return a_acc * s_left, b_acc * s_right
+    on_left = (a_acc.abs().amax(dim=(1, 2)) >= b_acc.abs().amax(dim=(1, 2))).view(-1, 1, 1)
+    left = torch.where(on_left, a_acc * f3, a_acc)
+    right = torch.where(on_left, b_acc, b_acc * f3)
+    return left, right
 
 
-def _eager(op, *args, **kwargs):  # the ``call`` of balancing_scales outside a graph
+def _eager(op, *args, **kwargs):  # the ``call`` of subnormal_scaled outside a graph
     return op(*args, **kwargs)
 
 
-def balancing_scales(call, left, right, f3):
-    """Per-example scales ``(s_left, s_right)``, float64 and shaped like ``f3``, with
-    ``s_left * s_right == f3`` exactly, such that ``fl(left * s_left) @ fl(right * s_right)``
-    carries no more rounding than an unscaled product, with no host read (no ``if`` on values).
+def subnormal_scaled(call, operand, f3, acc):
+    """Per example, ``(P, 1, ...)`` bool: whether ``f_i`` times the largest entry of
+    ``operand`` (one book-keeping operand before the clip factor is applied) falls below
+    ``tiny / u`` of the sum dtype ``acc`` while both are nonzero. Formed in float64, so a
+    product that would underflow to zero entirely is caught too. No host read.
 
     Why: the book-keeping sum ``sum_i f_i A_i^T B_i`` applies ``f_i`` to one operand first.
     Where that lands below the sum dtype's normal range (a tiny C next to large activations:
-    C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits and may round
-    up, and the product with the large other operand carries that into the sum (measured:
-    1.33 C). The CPU operator tests for it and recomputes exactly (:func:`_exact_scaling`);
-    accelerators and the fused in-graph sums cannot test without a host synchronisation, so
-    they always apply these scales.
-
-    Float32 sums (the operands' dtype): ``s_left = f 2^-e``, ``s_right = 2^e`` with
-    ``e = trunc((log2(f L) - log2 R) / 2)`` (L, R the largest entries of the example's two
-    operands; e = 0 where either is zero or not finite). Both scaled maxima then lie within a
-    factor of 2 of ``g = sqrt(f L R)`` and below ``max(f L, R)`` (so nothing new overflows);
-    ``2^e`` is built from its bits, exact, and ``fl(right 2^e)`` is exact unless subnormal.
-    A clipped example has ``C <= f ||G_i|| <= f K sqrt(R_dim C_dim) L R``, so with
-    ``C >= 2^-100`` and ``K sqrt(R_dim C_dim) < 2^40``, ``g >= 2^-70``: both maxima are far
-    above float32's ``tiny / u = 2^-102``, the threshold of the CPU test, and the absolute
-    error 2^-150 of any subnormal entry is under 2^-79 of the largest product. An unclipped
-    example with ``g < 2^-101`` contributes under 2^-160 in all, next to C >= 2^-100.
-    Float64 sums: ``f`` goes to the operand with the larger entries (the argument is
-    :func:`_exact_scaling`'s), the other scale is 1.
+    C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits (or none) and
+    may round up, and the product with the large other operand carries that into the sum
+    (measured: 1.33 C). On the CPU, :func:`bookkeeping_mm` tests this on the host and forms
+    the products exactly (:func:`_exact_scaling`). Where no host test is possible (an
+    accelerator, where it would be a synchronisation per layer; ``bookkeeping="fused"``'s
+    in-graph products), :func:`~opake_compile.compiler.passes._factors.emit_clipped_sum`
+    zeroes such an example's clip factor for every term of the parameter together: the
+    example then adds nothing to that parameter's sum, a part of its clipped gradient (norm
+    at most C). Per term would not do: two terms of one parameter (a weight used twice, a
+    tied embedding) can cancel, and releasing one of them alone moved the sum by 32 C.
+    Rescaling both operands by powers of two instead was tried and is unsound too (the other
+    operand's small entries became subnormal next to large partners: 1.95 C).
 
     Args:
         call: ``call(op, *args)`` applies an ATen overload: :func:`_eager` on tensors, or an
             :class:`~opake_compile.compiler._graph_utils.Emitter` to emit graph nodes.
-        left, right: ``(P, ...)`` operands in the sum dtype (float32 or float64), excluded
-            examples already selected to zero.
-        f3: ``(P, 1, ...)`` clip factors in the sum dtype, zero for excluded examples.
+        operand: ``(P, ...)``, unscaled (excluded examples selected to zero).
+        f3: ``(P, 1, ...)`` clip factors (zero for excluded examples).
+        acc: the sum dtype (float32 or float64).
     """
     aten = torch.ops.aten
+    fi = torch.finfo(acc)
+    dims = list(range(1, _meta(operand).dim()))
+    big = call(aten.amax.default, call(aten.abs.default, operand), dims, True)
     wide = torch.float64
-    dims = list(range(1, _meta(left).dim()))
-    big_l = call(aten.amax.default, call(aten.abs.default, left), dims, True)
-    big_r = call(aten.amax.default, call(aten.abs.default, right), dims, True)
-    f_w = call(aten._to_copy.default, f3, dtype=wide)
-    one = call(aten.scalar_tensor.default, 1.0, dtype=wide)
-    if _meta(f3).dtype == wide:
-        on_left = call(aten.ge.Tensor, big_l, big_r)
-        return call(aten.where.self, on_left, f_w, one), call(aten.where.self, on_left, one, f_w)
-    log_l = call(aten.add.Tensor, call(aten.log2.default, call(aten._to_copy.default, big_l, dtype=wide)),
-                 call(aten.log2.default, f_w))
-    log_r = call(aten.log2.default, call(aten._to_copy.default, big_r, dtype=wide))
-    e = call(aten.trunc.default, call(aten.mul.Tensor, call(aten.sub.Tensor, log_l, log_r), 0.5))
-    zero = call(aten.scalar_tensor.default, 0.0, dtype=wide)
-    e = call(aten.where.self, call(aten.isfinite.default, e), e, zero)
-    # |e| <= 214 for float32 operands; the clamp only keeps the bit construction in range.
-    e = call(aten.clamp.default, e, -1000.0, 1000.0)
-    e_int = call(aten._to_copy.default, e, dtype=torch.int64)
-    up = _power_of_two(call, e_int)
-    down = _power_of_two(call, call(aten.neg.default, e_int))
-    return call(aten.mul.Tensor, f_w, down), up
-
-
-def _power_of_two(call, e_int):
-    """``2^e`` in float64 from its bits (exact for -1022 <= e <= 1023)."""
-    aten = torch.ops.aten
-    biased = call(aten.add.Tensor, e_int, 1023)
-    return call(aten.view.dtype, call(aten.bitwise_left_shift.Tensor_Scalar, biased, 52), torch.float64)
+    scaled = call(aten.mul.Tensor, call(aten._to_copy.default, big, dtype=wide), call(aten._to_copy.default, f3, dtype=wide))
+    low = call(aten.lt.Scalar, scaled, fi.tiny / (fi.eps / 2))
+    return call(aten.logical_and.default, low, call(aten.gt.Scalar, scaled, 0.0))
 
 
 def _meta(x):  # a tensor, or a graph node's fake value

@@ -320,9 +320,9 @@ class GhostClipping:
             masked copies alive at once (MLP bench: 1.5x memory). Same result up to
             rounding. Its products follow the process's float32 matmul precision, so where
             that is not IEEE (``torch.set_float32_matmul_precision("high")``: TF32 on a GPU)
-            float32 sums use the operator instead, and its two operands carry per-example
-            power-of-two scales (``_kernels.balancing_scales``) so that no clip factor meets
-            the subnormal range.
+            float32 sums use the operator instead, and an example whose scaled factor would
+            fall into the subnormal range adds nothing to that parameter's sum
+            (``_kernels.subnormal_scaled``; the CPU operator computes it exactly instead).
         force: parameter name -> one of :data:`FORCEABLE_PATHS`, overriding the cost model
             (for tests of each path's numerics, and for users who know better). A forced
             path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
