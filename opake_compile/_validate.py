@@ -130,6 +130,17 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
             batched argument, or batched arguments that disagree on B (the message lists them).
         InputTypeError: a batched argument holds no tensor, or is a DP output wrapper.
     """
+    # Fast path, the common call: every batched argument a plain tensor of one batch size
+    # (anything else, including every error, takes the general path below).
+    size = None
+    for i in batch_argnums:
+        x = args[i] if i < len(args) else None
+        if type(x) is not torch.Tensor or x.dim() == 0 or (size is not None and x.shape[0] != size):
+            break
+        size = x.shape[0]
+    else:
+        if size is not None:
+            return int(size)
     sizes: dict[int, set[int]] = {}
     for i in batch_argnums:
         if i >= len(args):

@@ -48,11 +48,14 @@ def test_insert_clipping_matches_clip_and_sum_with_mask(dtype, c):
     raw = tr.gm(*_inputs(tr, case.model, c, mask, args))
     losses_raw, grads_raw = raw[0], dict(zip(tr.layout.trainable, raw[1:]))
     reports = run_pipeline(tr.gm, [_clip(tr)])
-    losses, norms, kept, *sums = tr.gm(*_inputs(tr, case.model, c, mask, args))
+    losses, norms, kept, *sums, num_kept, mean_loss = tr.gm(*_inputs(tr, case.model, c, mask, args))
     want, want_norms, want_kept = clip_and_sum(grads_raw, c, mask)
     torch.testing.assert_close(losses, losses_raw)
     torch.testing.assert_close(norms, want_norms)
     assert torch.equal(kept, want_kept)
+    # The kept count and the mean loss over the real (unmasked) rows, for the step's result.
+    assert num_kept.dtype == torch.int64 and int(num_kept) == int(want_kept.sum()) == 3
+    torch.testing.assert_close(mean_loss, losses_raw[mask].mean())
     eps = torch.finfo(dtype).eps
     for name, s in zip(tr.layout.trainable, sums):
         assert s.dtype == dtype and s.shape == case.model.get_parameter(name).shape
@@ -77,8 +80,10 @@ def test_pass_report_and_roles():
     assert len(nodes_with_role(tr.gm.graph, "clip_factor")) == 1
     assert len(nodes_with_role(tr.gm.graph, "kept")) == 1
     out = next(n for n in tr.gm.graph.nodes if n.op == "output").args[0]
-    assert len(out) == 3 + len(trainable)
-    assert [role_of(n) for n in out[3:]] == [("clipped_sum", k) for k in trainable]
+    # (per-example losses, norms, kept flags, clipped sums..., kept count, mean loss)
+    assert len(out) == 5 + len(trainable)
+    assert [role_of(n) for n in out[3:-2]] == [("clipped_sum", k) for k in trainable]
+    assert [role_of(n) for n in out[-2:]] == [("kept_count", ""), ("mean_loss", "")]
     for name, node in zip(trainable, out[3:]):
         assert tuple(node.meta["val"].shape) == tuple(case.model.get_parameter(name).shape)
     # The clip factor is removed with a select, never by multiplying with a 0/1 mask.
@@ -99,13 +104,13 @@ def test_nonfinite_rows_are_selected_away_in_the_graph():
     y = torch.tensor([0, 1, 2, 0])
     tr = trace_per_example_grads(case.model, loss, (x, y), batched_positions=(0, 1), physical_batch_size=4)
     run_pipeline(tr.gm, [_clip(tr)])
-    _, norms, kept, *sums = tr.gm(*_inputs(tr, case.model, 0.5, torch.ones(4, dtype=torch.bool), (x, y)))
-    assert kept.tolist() == [True, True, False, True]
-    assert torch.isnan(norms[2])
+    _, norms, kept, *sums, num_kept, mean_loss = tr.gm(*_inputs(tr, case.model, 0.5, torch.ones(4, dtype=torch.bool), (x, y)))
+    assert kept.tolist() == [True, True, False, True] and int(num_kept) == 3
+    assert torch.isnan(norms[2]) and torch.isnan(mean_loss)  # the loss is not privatised: NaN shows
     keep = torch.tensor([0, 1, 3])
     tr2 = trace_per_example_grads(case.model, loss, (x[keep], y[keep]), batched_positions=(0, 1), physical_batch_size=3)
     run_pipeline(tr2.gm, [_clip(tr2)])
-    _, _, _, *want = tr2.gm(*_inputs(tr2, case.model, 0.5, torch.ones(3, dtype=torch.bool), (x[keep], y[keep])))
+    _, _, _, *want, _, _ = tr2.gm(*_inputs(tr2, case.model, 0.5, torch.ones(3, dtype=torch.bool), (x[keep], y[keep])))
     for s, w in zip(sums, want):
         assert torch.isfinite(s).all()
         torch.testing.assert_close(s, w)

@@ -150,7 +150,9 @@ def test_padded_rows_contribute_zero_even_when_they_would_be_nan():
     out = step(x, y)
     assert out.clipped.num_examples == 3 and out.clipped.num_nonfinite == 0
     assert out.clipped.per_example_norms.shape == (3,)
-    assert torch.isfinite(out.loss)
+    # The mean loss (computed in the graph) is over the real rows only: padded rows' -inf out.
+    per_loss = torch.stack([loss(case.model, x[i : i + 1], y[i : i + 1]) for i in range(3)])
+    torch.testing.assert_close(out.loss, per_loss.mean().detach())
     want, norms = loop_reference(case.model, loss, (x, y), 0.7)
     assert_trees_close(out.clipped.grads, want, torch.float64)
     torch.testing.assert_close(out.clipped.per_example_norms, norms)
@@ -470,6 +472,17 @@ def test_model_state_walk_matches_torch_on_tied_missing_and_shared_members():
     assert list(buffers.items()) == list(model.named_buffers())
     assert modes == tuple(m.training for m in model.modules())
     assert "head.weight" not in params and modes.count(False) == 1
+    # Nested: a module shared between a deep branch and a later shallow one, a None child.
+    shared = nn.Linear(2, 2)
+    deep = nn.Sequential(nn.Sequential(nn.Linear(2, 2), shared), nn.ReLU())
+    nested = nn.Sequential(deep, nn.Sequential(nn.Identity(), shared), shared)
+    nested.register_module("missing", None)
+    nested[0][0].register_buffer("count", torch.zeros(()))
+    nested[1].train(False)
+    params, buffers, modes = _model_state(nested)
+    assert list(params.items()) == list(nested.named_parameters())
+    assert list(buffers.items()) == list(nested.named_buffers())
+    assert modes == tuple(m.training for m in nested.modules())
 
 
 # ----------------------------------------------------------------------------- aliasing

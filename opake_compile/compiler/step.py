@@ -236,6 +236,7 @@ class DPStep:
         self._rewrites = list(rewrites) if rewrites is not None else _default_rewrites()
         self._cache: dict[Any, _Compiled] = {}
         self._constants: dict[Any, torch.Tensor] = {}
+        self._flat_treedefs: dict[int, Any] = {}  # tuples of n tensors (_signature)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
         self._num_calls = 0
@@ -421,18 +422,28 @@ class DPStep:
         params: dict[str, torch.Tensor],
         modes: tuple[bool, ...],
     ) -> Any:
-        paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
-        parts = []
-        for path, leaf in zip(paths, leaves):
-            if isinstance(leaf, torch.Tensor):
-                dims = tuple(leaf.shape[1:]) if path[0] in batched else tuple(leaf.shape)
-                parts.append((path[0] in batched, leaf.dtype, dims, leaf.device.type))
-            else:
-                try:
-                    hash(leaf)
-                    parts.append(("const", leaf))
-                except TypeError:
-                    parts.append(("const", repr(leaf)))
+        if all(type(a) is torch.Tensor for a in args):
+            # Fast path, the common call: positional tensors only (the same key as below).
+            treedef = self._flat_treedefs.get(len(args))
+            if treedef is None:
+                treedef = self._flat_treedefs[len(args)] = optree.tree_structure(args, none_is_leaf=True)
+            parts = [
+                (i in batched, a.dtype, tuple(a.shape[1:]) if i in batched else tuple(a.shape), a.device.type)
+                for i, a in enumerate(args)
+            ]
+        else:
+            paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
+            parts = []
+            for path, leaf in zip(paths, leaves):
+                if isinstance(leaf, torch.Tensor):
+                    dims = tuple(leaf.shape[1:]) if path[0] in batched else tuple(leaf.shape)
+                    parts.append((path[0] in batched, leaf.dtype, dims, leaf.device.type))
+                else:
+                    try:
+                        hash(leaf)
+                        parts.append(("const", leaf))
+                    except TypeError:
+                        parts.append(("const", repr(leaf)))
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
         # The rewrites size float32 rounding bounds (Gram matrices, the mixed path's product) to
         # the matrix-product precision in force when they trace: a graph traced under IEEE
@@ -483,9 +494,10 @@ class DPStep:
         device = state[0].device
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
         kinds = [k for k in layout.leaf_kinds if k != "const"]
-        flat = [l for l, k in zip(optree.tree_leaves(args, none_is_leaf=True), layout.leaf_kinds) if k != "const"]
+        every = list(args) if all(type(a) is torch.Tensor for a in args) else optree.tree_leaves(args, none_is_leaf=True)
+        flat = [l for l, k in zip(every, layout.leaf_kinds) if k != "const"]
         sums: list[torch.Tensor] | None = None
-        norms, losses, kept_all = [], [], []
+        norms, means, kept_counts = [], [], []
 
         def chunk(m: int, p: int, start: int) -> list:
             if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
@@ -510,26 +522,32 @@ class DPStep:
             leaves = chunk(m, p, start)
             start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
-            with torch.no_grad(), self._rng_scope(compiled, device):
-                out = compiled.fn(*state, clip, mask, *leaves, *draws)
-            loss_c, norm_c, kept_c, *sum_c = out
-            if m == p:
-                losses.append(loss_c), norms.append(norm_c), kept_all.append(kept_c)
-            else:
-                losses.append(loss_c[:m]), norms.append(norm_c[:m]), kept_all.append(kept_c[:m])
+            grad_was = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)  # torch.no_grad(), without its Python objects
+            try:
+                with self._rng_scope(compiled, device):
+                    out = compiled.fn(*state, clip, mask, *leaves, *draws)
+            finally:
+                torch._C._set_grad_enabled(grad_was)
+            # (per-example losses, norms, kept flags, clipped sums..., kept count, mean loss)
+            norm_c, _, *sum_c, kept_c, mean_c = out[1:]
+            norms.append(norm_c if m == p else norm_c[:m])
+            means.append(mean_c), kept_counts.append(kept_c)
             # Chunk sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
             sums = list(sum_c) if sums is None else [_num.add_partial(a, b) for a, b in zip(sums, sum_c)]
-        cat = (lambda parts: parts[0]) if len(losses) == 1 else torch.cat
-        kept = cat(kept_all)
+        if len(chunks) == 1:
+            per_example_norms, kept, loss = norms[0], kept_counts[0], means[0]
+        else:
+            per_example_norms, kept = torch.cat(norms), torch.stack(kept_counts).sum()
+            loss = sum(mean.double() * m for mean, (m, _) in zip(means, chunks)).div(n).to(means[0].dtype)
         clipped = ClippedPytree(
             grads=dict(zip(layout.trainable, sums)),
             clipping_norm=self.clipping_norm,
-            per_example_norms=cat(norms),
+            per_example_norms=per_example_norms,
             num_examples=n,
-            num_nonfinite=int(n - int(kept.sum())),
+            num_nonfinite=n - int(kept),  # the one host read of the step
             parameters={k: params[k] for k in layout.trainable},
         )
-        loss = cat(losses).mean()
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(first.coverage))
 
     @staticmethod
@@ -604,13 +622,21 @@ class DPStep:
 def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:
     """``(dict(named_parameters()), dict(named_buffers()), tuple(m.training for m in modules()))``
     in one walk of the module tree (three walks were a measurable share of a small model's step).
-    Shared tensors are listed once, under their first name, as ``named_parameters`` does."""
+    Modules are visited in ``named_modules()``'s order (pre-order, a shared module once, at its
+    first name), with an explicit stack rather than its nested generators (per-call overhead);
+    shared tensors are listed once, under their first name, as ``named_parameters`` does."""
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
+    visited: set[int] = set()
     modes = []
-    for prefix, mod in model.named_modules():
+    stack = [("", model)]
+    while stack:
+        prefix, mod = stack.pop()
+        if id(mod) in visited:
+            continue
+        visited.add(id(mod))
         modes.append(mod.training)
         dot = prefix + "." if prefix else ""
         for store, out, seen in ((mod._parameters, params, seen_params), (mod._buffers, buffers, seen_buffers)):
@@ -618,6 +644,9 @@ def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
                 if t is not None and id(t) not in seen:
                     seen.add(id(t))
                     out[dot + name] = t
+        children = mod._modules
+        if children:
+            stack.extend((dot + name, child) for name, child in reversed(children.items()) if child is not None)
     return params, buffers, tuple(modes)
 
 
