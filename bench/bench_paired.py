@@ -19,6 +19,11 @@ step compiled for exactly b rows (``physical_batch_size=b``, one graph per size,
 each batch of b rows: ``dp_default / dp_exact`` is what the default sizing costs over P = b.
 
     python bench/bench_paired.py --models mlp,transformer --rounds 40 --poisson 6
+    python bench/bench_paired.py --models mlp,encoder --rounds 15 --poisson 6 --threads 1
+
+``--threads 1`` times CPU seconds of this process (``time.process_time``) on one thread: on a
+machine shared with other jobs that counts the work each step does and not the time it waits
+for a core, which wall time on several threads does not (default: wall time, torch's threads).
 
 Models and batches are those of bench_step.py (same builders, same seeds). Memory is not
 measured here (see bench_step.py's peak-memory columns).
@@ -33,13 +38,18 @@ import time
 from typing import Any
 
 
+def _clock(ns: argparse.Namespace) -> Any:
+    """CPU time of this process on one thread (``--threads 1``), else wall time."""
+    return time.process_time if ns.threads == 1 else time.perf_counter
+
+
 def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import opake_compile as opake
 
     spec, args = bs.build(name, ns.quick, ns.device)
-    sync = bs._sync(ns.device)
+    sync, clock = bs._sync(ns.device), _clock(ns)
     model = spec.model
     loss = bs._param_loss(spec)
     params = {k: p.detach() for k, p in bs._trainable(model).items()}
@@ -85,10 +95,10 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     for r in range(ns.rounds):
         rot = order[r % len(order):] + order[: r % len(order)]
         for k in rot:
-            t0 = time.perf_counter()
+            t0 = clock()
             steps[k]()
             sync()
-            times[k].append((time.perf_counter() - t0) * 1e3)
+            times[k].append((clock() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = min(("np_compiled_grad", "np_compiled_backward"), key=lambda k: med[k])
     ratios = {k: med[k] / med[base] for k in dp_rows}
@@ -109,7 +119,7 @@ def run_poisson(bs: Any, spec: Any, dp: Any, loss: Any, model: Any, ns: argparse
 
     import opake_compile as opake
 
-    sync = bs._sync(ns.device)
+    sync, clock = bs._sync(ns.device), _clock(ns)
     g = torch.Generator().manual_seed(4)
     sizes = bs.poisson_sizes(spec.batch_size)[: ns.poisson]
     batches = [tuple(a.to(ns.device) for a in spec.make_batch(n, g)) for n in sizes]
@@ -144,11 +154,11 @@ def run_poisson(bs: Any, spec: Any, dp: Any, loss: Any, model: Any, ns: argparse
     for r in range(ns.rounds):
         rot = order[r % len(order):] + order[: r % len(order)]
         for k in rot:
-            t0 = time.perf_counter()
+            t0 = clock()
             for b in batches:
                 steps[k](*b) if k == "dp_default" else steps[k](b)
             sync()
-            per[k].append((time.perf_counter() - t0) * 1e3)
+            per[k].append((clock() - t0) * 1e3)
     med = {k: statistics.median(v) for k, v in per.items()}
     base = min(("np_compiled_grad", "np_compiled_backward"), key=lambda k: med[k])
     padded = sum(p - m for n in sizes for m, p in dp.plan(n))
@@ -171,11 +181,18 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--poisson", type=int, default=0, help="also time K Poisson batch sizes at default settings")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads (0: torch's default); 1 also times CPU seconds instead of wall time")
     ns = p.parse_args()
     import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
     import torch
 
-    print(f"# bench_paired torch={torch.__version__} threads={torch.get_num_threads()} rounds={ns.rounds} "
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.threads == 1 and ns.device != "cpu":
+        p.error("--threads 1 times CPU seconds: use it on the CPU only")
+    print(f"# bench_paired torch={torch.__version__} threads={torch.get_num_threads()} "
+          f"clock={'cpu' if ns.threads == 1 else 'wall'} rounds={ns.rounds} "
           f"device={ns.device} loadavg={os.getloadavg()}", flush=True)
     print("| model | np_compiled_grad ms | np_compiled_backward ms | dp_default ms | dp_p_eq_b ms | dp_fused ms "
           "| dp_default / fastest np (medians; per round) | dp_p_eq_b / fastest np | dp_fused / fastest np |")

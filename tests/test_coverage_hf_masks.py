@@ -298,12 +298,14 @@ def test_bart_layerdrop_is_selected_in_the_graph_once_per_logical_batch() -> Non
     for _ in range(4):
         got = step(*args).clipped.grads
         # Per parameter (float32 sums of small gradients: 1e-4 relative): a dropped layer's
-        # gradient is exactly zero, a kept one's is not.
-        match = [s for s, want in oracles.items() if all(_close_per_key(got[k], want[k]) for k in want)]
+        # gradient is exactly zero, a kept one's is not. The attention key biases' gradients are
+        # zero in exact arithmetic (softmax is shift-invariant), float32 rounding noise here, so
+        # each parameter's scale is floored at 1e-4 of the largest gradient of the oracle.
+        match = [s for s, want in oracles.items() if all(_close_per_key(got[k], want[k], _floor(want)) for k in want)]
         assert match, "the result matches no set of dropped layers"
         # Sets that match together give one gradient (both decoder layers dropped: the encoder's
         # layers do not reach the loss, whichever ran).
-        assert all(_close_per_key(oracles[s][k], oracles[match[0]][k]) for s in match for k in got)
+        assert all(_close_per_key(oracles[s][k], oracles[match[0]][k], _floor(oracles[match[0]])) for s in match for k in got)
         seen.add(tuple(match))
     assert len(seen) >= 2
     assert [c.traced.layout.batch_draws for c in step._cache.values()] == [3]
@@ -311,9 +313,13 @@ def test_bart_layerdrop_is_selected_in_the_graph_once_per_logical_batch() -> Non
     assert all("forward" not in layer.__dict__ for layer in layers(model))
 
 
-def _close_per_key(got: torch.Tensor, want: torch.Tensor) -> bool:
+def _floor(tree: dict[str, torch.Tensor]) -> float:
+    return 1e-4 * max(float(t.double().abs().max()) for t in tree.values())
+
+
+def _close_per_key(got: torch.Tensor, want: torch.Tensor, floor: float = 0.0) -> bool:
     scale = float(want.double().abs().max())
-    return float((got.double() - want.double()).abs().max()) <= 1e-4 * scale if scale > 0 else float(got.abs().max()) == 0
+    return float((got.double() - want.double()).abs().max()) <= 1e-4 * max(scale, floor) if scale > 0 else float(got.abs().max()) == 0
 
 
 class _OwnLayerDrop(nn.Module):
