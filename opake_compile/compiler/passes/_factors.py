@@ -559,7 +559,8 @@ def emit_sq_norm(
         for part in s_parts[1:]:
             s = em(aten.add.Tensor, s, part)
     if unscale is not None:
-        s = em(aten.add.Tensor, s, _underflow64(factors)[0])
+        under_s, under_sq = _underflow64(factors)
+        s = em(aten.add.Tensor, s, under_s)
     mass_sq = em(aten.mul.Tensor, s, s)
     if sum(f.k for f in factors) > 1:
         frob = _frobenius_rounding(em, factors, frob_parts, fast_norms) if fast and frob_parts else None
@@ -567,7 +568,7 @@ def emit_sq_norm(
     if fast:
         total = _bound_underflow(em, factors, total, fast_norms[1], fast_norms[2])
     if unscale is not None:
-        total = unscale(em(aten.add.Tensor, total, _underflow64(factors)[1]))
+        total = unscale(em(aten.add.Tensor, total, under_sq))
         # S back to true units before squaring: a scaled S near 2^-537, squared, loses digits.
         s = unscale(s, power=1)
         mass_sq = em(aten.mul.Tensor, s, s)

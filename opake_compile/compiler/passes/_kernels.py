@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import float32_matmul_is_ieee, ieee_float32_matmul
 
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM"]
@@ -160,16 +161,12 @@ def subnormal_scaled(call, operand, f3, acc):
     """
     aten = torch.ops.aten
     fi = torch.finfo(acc)
-    dims = list(range(1, _meta(operand).dim()))
+    dims = list(range(1, val(operand).dim()))
     big = call(aten.amax.default, call(aten.abs.default, operand), dims, True)
     wide = torch.float64
     scaled = call(aten.mul.Tensor, call(aten._to_copy.default, big, dtype=wide), call(aten._to_copy.default, f3, dtype=wide))
     low = call(aten.lt.Scalar, scaled, fi.tiny / (fi.eps / 2))
     return call(aten.logical_and.default, low, call(aten.gt.Scalar, scaled, 0.0))
-
-
-def _meta(x):  # a tensor, or a graph node's fake value
-    return x if isinstance(x, torch.Tensor) else x.meta["val"]
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost
