@@ -12,6 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from opake_compile import compile_dp
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
 
+_C = torch.tensor(1.0, dtype=torch.float64)  # C_eff: ordinary, so the underflow test never fires here
+
 F64 = torch.float64
 
 
@@ -36,7 +38,7 @@ def test_bookkeeping_mm_matches_the_per_example_loop_when_every_example_is_kept(
     b = torch.randn(p, k, c, generator=_gen(2), dtype=F64)
     factor = torch.rand(p, generator=_gen(3), dtype=F64)
     kept = torch.ones(p, dtype=torch.bool)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
     assert got.shape == (r, c) and got.dtype == F64
     torch.testing.assert_close(got, _loop(at, b, kept, factor), rtol=1e-12, atol=1e-12)
 
@@ -52,14 +54,14 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     b[3, 1, 2] = math.inf
     kept = torch.tensor([True, False, True, False, True])
     factor = torch.where(kept, torch.rand(p, generator=_gen(6), dtype=F64), 0.0)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
     assert bool(torch.isfinite(got).all())
     want = _loop(at, b, kept, factor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # The excluded rows really are ignored: replacing them changes nothing.
     at2, b2 = at.clone(), b.clone()
     at2[1], b2[3] = 1e30, -1e30
-    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept.all()), got)
+    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept.all(), _C), got)
 
 
 @pytest.mark.parametrize("m", [0, 1, 3, 5], ids=lambda m: f"first{m}")
@@ -75,12 +77,12 @@ def test_bookkeeping_mm_padded_tail_is_sliced_off_with_its_nan_and_factor(m, r, 
     b[m:, 1, 1] = math.inf
     factor = torch.rand(p, generator=_gen(22), dtype=F64)
     factor[m:] = math.nan
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
     assert got.shape == (r, c) and bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
     # The same rows excluded in a pattern that is not a prefix take the select path: same sum.
     perm = torch.tensor([4, 0, 3, 1, 2]) if 0 < m < p else torch.arange(p)
-    got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept.all())
+    got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept.all(), _C)
     torch.testing.assert_close(got2, got, rtol=1e-12, atol=1e-12)
 
 
@@ -90,7 +92,7 @@ def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
     b = torch.randn(p, k, c, generator=_gen(11), dtype=F64)
     kept = torch.tensor([True, False, True])
     factor = torch.tensor([0.5, math.nan, 0.25], dtype=F64)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
     torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
 
 
@@ -100,9 +102,36 @@ def test_bookkeeping_mm_accumulates_low_precision_factors_in_the_factor_dtype():
     b = torch.randn(p, k, c, generator=_gen(8)).to(torch.bfloat16)
     factor = torch.rand(p, generator=_gen(9))
     for kept in (torch.ones(p, dtype=torch.bool), torch.tensor([True, False, True, True])):
-        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all())
+        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), _loop(at, b, kept, factor), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bookkeeping_mm_products_with_huge_partners_are_exact_or_refused(dtype):
+    # f times small entries of one operand rounds in the subnormal range; their huge partners
+    # would carry that into the sum. Float32: formed exactly in float64 (the result equals the
+    # per-example loop). Float64: the factor moves to the larger operand, and where both are
+    # beyond reach (2^950 each) the operator refuses, naming itself.
+    from opake_compile.exceptions import UnsupportedOperationError
+
+    clip = torch.tensor(2.0**-100, dtype=F64)
+    at, b = torch.zeros(2, 3, 1, dtype=dtype), torch.zeros(2, 3, 1, dtype=dtype)
+    if dtype == torch.float32:
+        # f s = 1.5 2^-149 rounds to 2 2^-149, f 2 s = 3 2^-149 is exact: the two huge
+        # partners no longer cancel (32 C when the products are formed in float32).
+        at[0, :, 0] = torch.tensor([2.0**12, 1.5 * 2.0**-41, -3.0 * 2.0**-41])
+        b[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
+        factor = torch.tensor([2.0**-108, 0.0])
+        kept = torch.tensor([True, False])
+        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), clip)
+        assert float((got.double() - _loop(at, b, kept, factor)).abs().max()) <= 2.0**-20 * float(clip)
+        return
+    at[0, :, 0] = torch.tensor([0.0, 2.0**950, 1.0], dtype=dtype)
+    b[0, :, 0] = torch.tensor([2.0**950, 0.0, 1.0], dtype=dtype)
+    factor, kept = torch.tensor([0.5, 0.0], dtype=dtype), torch.tensor([True, False])
+    with pytest.raises(UnsupportedOperationError, match="bookkeeping_mm"):
+        BOOKKEEPING_MM(at, b, kept, factor, kept.all(), clip)
 
 
 def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():
@@ -110,6 +139,7 @@ def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():
         out = BOOKKEEPING_MM(
             torch.empty(4, 2, 3, dtype=torch.bfloat16), torch.empty(4, 2, 5, dtype=torch.bfloat16),
             torch.empty(4, dtype=torch.bool), torch.empty(4, dtype=torch.float32), torch.empty((), dtype=torch.bool),
+            torch.empty((), dtype=torch.float64),
         )
     assert out.shape == (3, 5) and out.dtype == torch.float32
 

@@ -556,25 +556,20 @@ def test_a_small_entry_next_to_a_large_partner_stays_within_c(bookkeeping, opera
     assert float(out.grads["weight"].double().norm()) / c <= 1.0
 
 
-_SMALL_ENTRIES_LIMIT = pytest.mark.xfail(strict=True, reason=(
-    "known limit (open): the subnormal test reads f times an operand's LARGEST entry; smaller "
-    "scaled entries can be subnormal next to huge partners (2^55 inputs at C = 2^-100): 31.9 C"
-))
-
-
-@_SMALL_ENTRIES_LIMIT
+@pytest.mark.parametrize("bookkeeping", ["per_layer", "fused"])
 @pytest.mark.parametrize("path", ["ghost", "mixed"])
-def test_small_scaled_entries_next_to_huge_partners_stay_within_c(path):
+def test_small_scaled_entries_next_to_huge_partners_stay_within_c(path, bookkeeping, operator_branch):
     # A third review's construction: output gradients [v1, s, -2 s] against inputs
     # [x1, L, L / 2]. The last two positions cancel in G but carry the mass, so f is set by
     # it; f s and 2 f s round to the smallest subnormal, and the pair adds ~2^-150 L / 2 ~ 32 C
-    # instead of 0, while f v1 is normal, so no test catches the example.
+    # instead of 0, while f v1 is normal: a test of f times the largest scaled entry missed it
+    # (31.9 C on every branch). The test now bounds the subnormal error against the partners.
     c = 2.0**-100
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = nn.Linear(1, 1, bias=False)
     step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
-                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path})])
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path}, bookkeeping=bookkeeping)])
     s_ = 2.0**-40 * (1 + 47 / 48)
     x, v = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
     v[0, :, 0] = torch.tensor([2.0**12, s_, -2 * s_])
@@ -897,3 +892,27 @@ def test_a_changed_matmul_precision_traces_again():
         assert step.num_traces == 2  # the IEEE graph is still cached
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("bookkeeping", ["per_layer", "fused"])
+def test_float64_example_huge_on_both_sides_adds_nothing(bookkeeping, operator_branch):
+    # Float64 sums put the clip factor on the operand with the larger entries, so the partners
+    # of its scaled entries are the smaller operand's. An example huge in both (2^950 inputs at
+    # one position, 2^950 output gradients at another, an ordinary third position) would
+    # defeat that at C = 2^-100; its rescaled norm overflows first, so it is dropped as
+    # non-finite on every branch. (The operator's own refusal: test_compiler_kernels.)
+    c = 2.0**-100
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Linear(1, 1, bias=False).double()
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": "ghost"}, bookkeeping=bookkeeping)])
+    x, v = torch.zeros(2, 3, 1, dtype=torch.float64), torch.zeros(2, 3, 1, dtype=torch.float64)
+    x[0, :, 0] = torch.tensor([2.0**950, 0.0, 1.0], dtype=torch.float64)
+    v[0, :, 0] = torch.tensor([0.0, 2.0**950, 1.0], dtype=torch.float64)
+    g = _gen(0)
+    x[1], v[1] = torch.randn(3, 1, generator=g, dtype=torch.float64), torch.randn(3, 1, generator=g, dtype=torch.float64)
+    base = step(x[1:], v[1:]).clipped.grads["weight"]
+    out = step(x, v).clipped
+    assert out.num_nonfinite == 1
+    assert float((out.grads["weight"] - base).norm()) / c <= 1.0

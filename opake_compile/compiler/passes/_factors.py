@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes import _kernels
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, subnormal_scaled
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
@@ -1061,6 +1061,7 @@ def emit_clipped_sum(
     factors: list[Factor],
     kept: fx.Node,
     factor: fx.Node,
+    clip: fx.Node,
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
     all_kept: fx.Node | None = None,
@@ -1070,8 +1071,9 @@ def emit_clipped_sum(
     ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
-    ``all_kept``: a node holding ``kept.all()``, shared by every call in one graph (emitted
-    here when not given)."""
+    ``clip``: the 0-d float64 node of ``C_eff`` (the underflow test of
+    :func:`~._kernels.underflow_unsafe` measures against it); ``all_kept``: a node holding
+    ``kept.all()``, shared by every call in one graph (emitted here when not given)."""
     p = shape(factors[0].b)[0] // factors[0].groups
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
@@ -1089,8 +1091,9 @@ def emit_clipped_sum(
         danger = None
         for f in factors:
             if not f.onehot and f.groups == 1:
-                a = em(aten.where.self, keep3, _as_dtype(em, f.a, acc), zero)
-                d = subnormal_scaled(em, a, f3, acc)
+                # f scales A^T (P, K, R); its partner is B. (Excluded rows already have f = 0:
+                # catching one changes nothing, so B need not be selected first.)
+                d = underflow_unsafe(em, f.b, f.rows, f3, clip, acc)
                 danger = d if danger is None else em(aten.logical_or.default, danger, d)
         if danger is not None:
             f3 = em(aten.where.self, danger, zero, f3)
@@ -1122,7 +1125,7 @@ def emit_clipped_sum(
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if all_kept is None:
                 all_kept = em(aten.all.default, kept)
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept, clip)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
 

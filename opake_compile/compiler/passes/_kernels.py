@@ -11,20 +11,30 @@ one layer at a time and are freed as soon as that layer's product is done.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from opake_compile.compiler._graph_utils import val
-from opake_compile.compiler.passes.numerics import float32_matmul_is_ieee, ieee_float32_matmul
+from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, float32_matmul_is_ieee, ieee_float32_matmul
+from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
-_LIB.define("bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept) -> Tensor")
+_LIB.define(
+    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept, Tensor clip) -> Tensor"
+)
 
 
 def bookkeeping_mm(
-    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor
+    at: torch.Tensor,
+    b: torch.Tensor,
+    kept: torch.Tensor,
+    factor: torch.Tensor,
+    all_kept: torch.Tensor,
+    clip: torch.Tensor,
 ) -> torch.Tensor:
     """``sum_i factor[i] * at[i]^T @ b[i]`` over the examples with ``kept[i]``.
 
@@ -36,9 +46,16 @@ def bookkeeping_mm(
         factor: ``(P,)`` clip factors; its dtype is the accumulation dtype of the result.
         all_kept: 0-d bool, ``kept.all()`` (computed once in the graph rather than reduced
             again in every layer's call).
+        clip: 0-d float64, the effective clipping norm ``C_eff``; the test of
+            :func:`underflow_unsafe` measures the scaled operand's underflow against it.
 
     Returns:
         ``(R, C)`` in ``factor.dtype``.
+
+    Raises:
+        UnsupportedOperationError: a float64 example whose operands are beyond ~2^890 on
+            both sides, where no choice of operand keeps the underflow of the scaled one
+            within :data:`~opake_compile.compiler.passes.numerics.UNDERFLOW_SHARE` of C.
     """
     p, k, r = at.shape
     c = b.shape[2]
@@ -56,7 +73,7 @@ def bookkeeping_mm(
     if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
         scale_left = r <= c
-        exact = bool(subnormal_scaled(_eager, at if scale_left else b, f3, acc).any())
+        exact = bool(underflow_unsafe(_eager, b if scale_left else at, r if scale_left else c, f3, clip, acc).any())
         if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
@@ -73,11 +90,11 @@ def bookkeeping_mm(
         # On an accelerator, no host-side test (a sync per layer): the graph has already
         # zeroed the factor of any example the test would catch, for every term of the
         # parameter together (_factors.emit_clipped_sum).
-        exact = _host_reads_are_free(at) and bool(subnormal_scaled(_eager, left, f3, acc).any())
+        exact = _host_reads_are_free(at) and bool(underflow_unsafe(_eager, right, r, f3, clip, acc).any())
         left.mul_(f3)
     if exact:
         # (A host-side test: free on CPU.) The products are then formed exactly.
-        left, right = _exact_scaling(at, b, kept, f3, acc)
+        left, right = _exact_scaling(at, b, kept, f3, clip, acc)
     if left.dtype == torch.float32 and not float32_matmul_is_ieee():
         # The slack rho of the released sum assumes IEEE float32 products; TF32 operands
         # (rounded to 2^-11 of an example's mass) let one example move it past C.
@@ -103,17 +120,17 @@ def _kept_prefix(kept: torch.Tensor, all_kept: torch.Tensor) -> int | None:
     return m if bool(kept[:m].all()) else None
 
 
-def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two factors with the clip factor applied where no product leaves the normal range.
+def _exact_scaling(
+    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, clip: torch.Tensor, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two factors with the clip factor applied so that no rounding of a scaled entry can
+    be amplified by its partners (the case :func:`underflow_unsafe` caught).
 
     Float32 sums: both factors in float64, where the products of float32 numbers are exact
-    and normal, and the matrix product is rounded once when cast back. Float64 sums: per
-    example, the factor goes to the operand with the larger entries. Error analysis: a
-    clipped example has ``C <= f ||G_i|| <= f K sqrt(R C) L_i R_i`` (``L_i >= R_i`` the largest
-    entries of its two operands), so ``f L_i >= C / (K sqrt(R C) L_i) >= 2^-100 / (K sqrt(R C)
-    2^512)``; ``L_i < 2^512`` since its squared norm is finite (else it is dropped). That is far
-    above float64's subnormal range, and smaller entries' absolute errors (2^-1075 each) are
-    negligible next to C >= 2^-100."""
+    and normal, and the matrix product is rounded once when cast back (an error of the whole
+    sum, not of one example). Float64 sums: per example, the factor goes to the operand with
+    the larger entries, so that the partners of its scaled entries are the smaller operand's;
+    that suffices unless both operands exceed ~2^890 (at C = 2^-100), which is refused."""
     keep = kept.view(-1, 1, 1)
     f3 = torch.where(keep, f3, 0)
     if acc == torch.float32:
@@ -121,52 +138,78 @@ def _exact_scaling(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: to
         left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
         return left, torch.where(keep, b, 0).to(wide)
     a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
-    on_left = (a_acc.abs().amax(dim=(1, 2)) >= b_acc.abs().amax(dim=(1, 2))).view(-1, 1, 1)
+    big_a, big_b = a_acc.abs().amax(dim=(1, 2), keepdim=True), b_acc.abs().amax(dim=(1, 2), keepdim=True)
+    on_left = big_a >= big_b
+    # The partner of the scaled operand is the other one; each example is tested against its
+    # own choice: the larger of its two bounds is the one not taken.
+    r, c = at.shape[2], b.shape[2]
+    unsafe_left = underflow_unsafe(_eager, b_acc, r, f3, clip, acc)
+    unsafe_right = underflow_unsafe(_eager, a_acc, c, f3, clip, acc)
+    if bool(torch.where(on_left, unsafe_left, unsafe_right).any()):
+        raise UnsupportedOperationError(
+            "opake::bookkeeping_mm: a float64 example's operands are both so large (beyond ~2^890) "
+            "that the clip factor's rounding in the subnormal range could move the clipped sum by more "
+            "than a negligible share of the clipping norm; rescale the model's inputs or raise clipping_norm."
+        )
     left = torch.where(on_left, a_acc * f3, a_acc)
     right = torch.where(on_left, b_acc, b_acc * f3)
     return left, right
 
 
-def _eager(op, *args, **kwargs):  # the ``call`` of subnormal_scaled outside a graph
+def _eager(op, *args, **kwargs):  # the ``call`` of underflow_unsafe outside a graph
     return op(*args, **kwargs)
 
 
-def subnormal_scaled(call, operand, f3, acc):
-    """Per example, ``(P, 1, ...)`` bool: whether ``f_i`` times the largest entry of
-    ``operand`` (one book-keeping operand before the clip factor is applied) falls below
-    ``tiny / u`` of the sum dtype ``acc`` while both are nonzero. Formed in float64, so a
-    product that would underflow to zero entirely is caught too. No host read.
+def underflow_unsafe(call, partner, scaled_cols, f3, clip, acc):
+    """Per example, ``(P, 1, 1)`` bool: whether the clip factor's rounding in the subnormal
+    range, amplified by the other operand, could move the book-keeping sum by more than
+    :data:`~opake_compile.compiler.passes.numerics.UNDERFLOW_SHARE` of ``C_eff``. No host read.
 
-    Why: the book-keeping sum ``sum_i f_i A_i^T B_i`` applies ``f_i`` to one operand first.
-    Where that lands below the sum dtype's normal range (a tiny C next to large activations:
-    C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits (or none) and
-    may round up, and the product with the large other operand carries that into the sum
-    (measured: 1.33 C). On the CPU, :func:`bookkeeping_mm` tests this on the host and forms
-    the products exactly (:func:`_exact_scaling`). Where no host test is possible (an
-    accelerator, where it would be a synchronisation per layer; ``bookkeeping="fused"``'s
-    in-graph products), :func:`~opake_compile.compiler.passes._factors.emit_clipped_sum`
-    zeroes such an example's clip factor for every term of the parameter together: the
-    example then adds nothing to that parameter's sum, a part of its clipped gradient (norm
-    at most C). Per term would not do: two terms of one parameter (a weight used twice, a
-    tied embedding) can cancel, and releasing one of them alone moved the sum by 32 C.
-    Rescaling both operands by powers of two instead was tried and is unsound too (the other
-    operand's small entries became subnormal next to large partners: 1.95 C).
+    The sum ``sum_i f_i A_i^T B_i`` applies ``f_i`` to one operand first. Each scaled entry
+    ``fl(f_i x)`` errs by ``u f_i |x|`` (covered by the slack of the sum) plus, where it lands
+    below the normal range, an absolute ``eta`` (half the smallest subnormal: 2^-150 in
+    float32, 2^-1075 in float64), and the product carries that into the sum times the entries
+    it meets. Over example i's ``K`` positions the second part is at most
+    ``eta sqrt(R_s) sum_k ||p_k|| <= eta sqrt(R_s) K sqrt(C_p) max |p|`` (``p`` the partner
+    operand ``(P, K, C_p)``, ``R_s`` the scaled operand's columns): a tiny C next to large
+    activations (C = 1e-29 with inputs ~1e15 in float32 moved the sum by 1.33 C), or small
+    scaled entries whose partners are huge while the example's largest scaled entry is
+    ordinary (output gradients ``[v1, s, -2 s]`` against inputs ``[x1, 2^55, 2^54]`` at
+    C = 2^-100: 31.9 C, which a test of the largest scaled entry missed). Examples with
+    ``f_i = 1`` or ``f_i = 0`` are never caught (their scaled entries are exact); at
+    C >= 10^-6 and GPT-2 shapes only partners beyond ~2^80 are.
+
+    On the CPU, :func:`bookkeeping_mm` tests this on the host and then forms the products
+    exactly (:func:`_exact_scaling`). Where no host test is possible (an accelerator, where it
+    would be a synchronisation per layer; ``bookkeeping="fused"``'s in-graph products),
+    :func:`~opake_compile.compiler.passes._factors.emit_clipped_sum` zeroes such an
+    example's clip factor for every term of the parameter together: the example then adds
+    nothing to that parameter's sum, a part of its clipped gradient (norm at most C). Per term
+    would not do: two terms of one parameter (a weight used twice, a tied embedding) can
+    cancel, and releasing one of them alone moved the sum by 32 C.
 
     Args:
         call: ``call(op, *args)`` applies an ATen overload: :func:`_eager` on tensors, or an
             :class:`~opake_compile.compiler._graph_utils.Emitter` to emit graph nodes.
-        operand: ``(P, ...)``, unscaled (excluded examples selected to zero).
-        f3: ``(P, 1, ...)`` clip factors (zero for excluded examples).
+        partner: ``(P, K, C_p)``, the operand the clip factor is *not* applied to.
+        scaled_cols: ``R_s``, the last dimension of the scaled operand.
+        f3: ``(P, 1, 1)`` clip factors in ``acc`` (zero for excluded examples).
+        clip: 0-d float64, ``C_eff``.
         acc: the sum dtype (float32 or float64).
     """
     aten = torch.ops.aten
-    fi = torch.finfo(acc)
-    dims = list(range(1, val(operand).dim()))
-    big = call(aten.amax.default, call(aten.abs.default, operand), dims, True)
+    shape = val(partner).shape
+    k, cols = int(shape[1]), int(shape[2])
+    # Caught where eta sqrt(R_s) K sqrt(C_p) max|p| > share C_eff, i.e. max|p| > C_eff times
+    # share / (eta sqrt(R_s) K sqrt(C_p)): that quotient is a normal float64 (below 2^1015),
+    # eta itself is not (float64: 2^-1075 rounds to zero), hence the exponent.
+    size = math.sqrt(scaled_cols * cols) * k
+    per_clip = math.ldexp(UNDERFLOW_SHARE[acc] / size, -HALF_SUBNORMAL_LOG2[acc]) if size else math.inf
     wide = torch.float64
-    scaled = call(aten.mul.Tensor, call(aten._to_copy.default, big, dtype=wide), call(aten._to_copy.default, f3, dtype=wide))
-    low = call(aten.lt.Scalar, scaled, fi.tiny / (fi.eps / 2))
-    return call(aten.logical_and.default, low, call(aten.gt.Scalar, scaled, 0.0))
+    big = call(aten._to_copy.default, call(aten.amax.default, call(aten.abs.default, partner), [1, 2], True), dtype=wide)
+    over = call(aten.gt.Tensor, big, call(aten.mul.Tensor, clip, per_clip))
+    scaled = call(aten.logical_and.default, call(aten.lt.Scalar, f3, 1.0), call(aten.gt.Scalar, f3, 0.0))
+    return call(aten.logical_and.default, over, scaled)
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost
@@ -175,11 +218,14 @@ _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("opake::bookkeeping_mm")
-def _(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor) -> torch.Tensor:
+def _(
+    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor, clip: torch.Tensor
+) -> torch.Tensor:
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
     torch._check(all_kept.dim() == 0 and all_kept.dtype == torch.bool)
+    torch._check(clip.dim() == 0 and clip.dtype == torch.float64)
     return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
 
 

@@ -97,30 +97,29 @@ things are needed:
    at trace time (the step traces again when it changes); grouped convolutions' in-graph
    sums of float32 models are float64 products, which the setting does not touch.
 
-   The book-keeping sum applies ``f_i`` to one factor before the product. Where ``f_i`` times
-   that factor falls below the sum dtype's normal range (tiny C next to large activations:
-   C = 1e-29 with inputs ~1e15 in float32), the scaled entries keep few digits and may round
-   up, and the product with the other factor carries that into the sum (measured: 1.33 C).
-   ``opake::bookkeeping_mm`` detects it on CPU and then forms the float32 products in
-   float64, or, for float64 sums, applies ``f_i`` to the operand with the larger entries
-   (``_kernels._exact_scaling``); grouped convolutions' in-graph sums always do the same
-   (``_factors._grouped_sum``). The test reads ``f_i`` times the operand's largest entry in
-   float64, so a scaled factor that underflows to zero entirely is caught too (two cancelling
-   terms of one weight, one of them lost that way: 4.0 C). Where the test would be a host
-   synchronisation (the operator on an accelerator) or cannot branch
-   (``bookkeeping="fused"``'s in-graph products), the graph evaluates the same criterion per
-   example and zeroes the clip factor of an example it catches, for every term of the
-   parameter together (``_kernels.subnormal_scaled``, ``_factors.emit_clipped_sum``): the
+   The book-keeping sum applies ``f_i`` to one factor before the product. Each scaled entry
+   that lands below the sum dtype's normal range errs by up to half the smallest subnormal
+   (2^-150 in float32, 2^-1075 in float64) whatever its own size, and the product multiplies
+   that error by the entries it meets in the other factor: a tiny C next to large activations
+   (C = 1e-29 with inputs ~1e15 in float32: 1.33 C), or small scaled entries next to huge
+   partners while the example's largest scaled entry is ordinary (output gradients
+   ``[v1, s, -2 s]`` against inputs ``[x1, 2^55, 2^54]``, whose last two positions cancel in G
+   but set f through the mass: 31.9 C at C = 2^-100, which an earlier test of the largest
+   scaled entry missed). So the test bounds that error against C: an example is caught where
+   ``2^-150 sqrt(R_s) K sqrt(C_p) max |partner|`` could exceed :data:`UNDERFLOW_SHARE` of
+   ``C_eff`` (``_kernels.underflow_unsafe``; ``f_i = 1`` is never caught; at C >= 10^-6 and
+   GPT-2 shapes only partners beyond ~2^80 are). ``opake::bookkeeping_mm`` tests this on the
+   CPU and then forms the float32 products in float64 (exact, rounded once for the whole sum),
+   or, for float64 sums, applies ``f_i`` to the operand with the larger entries and refuses
+   (``UnsupportedOperationError``) an example whose two operands are both beyond ~2^890
+   (unreachable in practice: its rescaled norm overflows first and it is dropped as
+   non-finite). Grouped convolutions' in-graph sums always form float32 products in float64
+   (``_factors._grouped_sum``). Where the test would be a host synchronisation (the operator
+   on an accelerator) or cannot branch (``bookkeeping="fused"``'s in-graph products), the
+   graph evaluates the same criterion per example and zeroes the clip factor of an example
+   it catches, for every term of the parameter together (``_factors.emit_clipped_sum``): the
    example adds nothing to that parameter's sum, a part of its clipped gradient. Per term
    would not do (cancelling terms, one released alone: 32 C).
-
-   **Known limit (open).** The test reads ``f_i`` times the operand's *largest* entry. A
-   smaller scaled entry can still be subnormal next to a huge partner: output gradients
-   ``[v1, s, -2 s]`` against inputs ``[x1, L, L / 2]``, whose last two positions cancel in G
-   but set f through the mass, moved the sum by 31.9 C at C = 2^-100, L = 2^55 (float32; 1.5 C
-   at C = 2^-20 with float64 Grams), on every branch (strict xfail in the tests). A sound
-   test must bound ``2^-150 sqrt(R) sum_k ||b_k||`` (the subnormal error against its
-   partners) against C; it needs C or the partners' norms inside the operator.
 
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
@@ -152,6 +151,8 @@ __all__ = [
     "KAPPA",
     "MAX_FLOAT32_SUM_ROWS",
     "RHO",
+    "HALF_SUBNORMAL_LOG2",
+    "UNDERFLOW_SHARE",
     "add_partial",
     "unit_roundoff",
     "float32_matmul_is_ieee",
@@ -176,6 +177,16 @@ KAPPA = 64.0
 FLOAT32_TINY = 2.0**-149
 #: The smallest positive float64 (subnormal): the absolute error of an underflowing product.
 FLOAT64_TINY = 2.0**-1074
+
+#: ``log2`` of half the smallest subnormal, per sum dtype: the absolute error of a product that
+#: rounds in the subnormal range (2^-1075 is not a float64, hence the exponent).
+HALF_SUBNORMAL_LOG2 = {torch.float32: -150, torch.float64: -1075}
+
+#: The share of ``C_eff`` that the clip factor's rounding in the subnormal range may add to one
+#: example's contribution to the book-keeping sum, per sum dtype (``_kernels.underflow_unsafe``
+#: catches examples where it could add more). Far below the slack ``rho`` (2^-10 and 2^-40),
+#: of which it is a part.
+UNDERFLOW_SHARE = {torch.float32: 2.0**-30, torch.float64: 2.0**-60}
 
 
 def float32_matmul_is_ieee() -> bool:

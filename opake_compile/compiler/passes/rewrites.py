@@ -320,9 +320,10 @@ class GhostClipping:
             masked copies alive at once (MLP bench: 1.5x memory). Same result up to
             rounding. Its products follow the process's float32 matmul precision, so where
             that is not IEEE (``torch.set_float32_matmul_precision("high")``: TF32 on a GPU)
-            float32 sums use the operator instead, and an example whose scaled factor would
-            fall into the subnormal range adds nothing to that parameter's sum
-            (``_kernels.subnormal_scaled``; the CPU operator computes it exactly instead).
+            float32 sums use the operator instead, and an example whose scaled factor's
+            rounding in the subnormal range its partners could amplify adds nothing to that
+            parameter's sum (``_kernels.underflow_unsafe``; the CPU operator computes it
+            exactly instead).
         force: parameter name -> one of :data:`FORCEABLE_PATHS`, overriding the cost model
             (for tests of each path's numerics, and for users who know better). A forced
             path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
@@ -409,6 +410,7 @@ def _ghost_clipping(
         raise ConfigurationError(f"force names parameter(s) {unknown} that are not trainable parameters of this step.")
     kept = next(iter(nodes_with_role(graph, "kept").values()))
     factor = next(iter(nodes_with_role(graph, "clip_factor").values()))
+    clip = next(iter(nodes_with_role(graph, "clip_norm_eff").values()))
     sum_acc = val(factor).dtype
     out_node = next(n for n in graph.nodes if n.op == "output")
     matches: dict[str, int] = {}
@@ -444,7 +446,7 @@ def _ghost_clipping(
         try:
             label, why, used = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
-                bookkeeping, grams, kept, factor, sum_acc, all_kept, forward,
+                bookkeeping, grams, kept, factor, clip, sum_acc, all_kept, forward,
             )
             done = used is not None
         except _RuleFailed as err:
@@ -481,6 +483,7 @@ def _rewrite_parameter(
     grams: dict,
     kept: fx.Node,
     factor: fx.Node,
+    clip: fx.Node,
     sum_acc: torch.dtype,
     all_kept: fx.Node,
     forward: frozenset[fx.Node],
@@ -537,7 +540,7 @@ def _rewrite_parameter(
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, sum_acc, bookkeeping, all_kept))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, all_kept))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
