@@ -160,3 +160,30 @@ def test_rewritten_graph_sums_each_linear_term_with_one_bookkeeping_call_and_bia
     # The forward and backward of two linear layers need at most three products; a fourth
     # (or more) would be a clipped sum written as a product.
     assert targets.count(mm) + targets.count(torch.ops.aten.addmm.default) <= 3
+
+
+@pytest.mark.parametrize("c, k, r_s, c_p, floor_log2", [
+    (1e-6, 512, 768, 50257, 78),  # GPT-2's tied head at T = 512, float32 sums
+    (1e-6, 4096, 4096, 4096, 70),  # a wide Llama-style block at T = 4096
+])
+def test_underflow_threshold_leaves_ordinary_training_alone(c, k, r_s, c_p, floor_log2):
+    # The underflow test catches an example only when its partners could carry 2^-30 C of
+    # subnormal rounding: at ordinary C and large shapes that needs entries beyond ~2^70, so
+    # no real example takes the exact path (CPU) or is dropped (accelerator, fused).
+    from opake_compile.compiler.passes import _kernels
+
+    partner = torch.empty(2, k, c_p, device="meta")
+    per_clip = _kernels._per_clip(partner, r_s, torch.float32)
+    assert math.log2(per_clip * c) >= floor_log2
+    # Float64 sums: far beyond any finite float32 activation.
+    assert math.log2(_kernels._per_clip(partner, r_s, torch.float64) * c) > 800
+    # And the host test agrees with the threshold on either side of it.
+    small = torch.zeros(1, 3, 2)
+    f3 = torch.full((1, 1, 1), 0.5)
+    clip = torch.tensor(2.0**-100, dtype=F64)
+    thr = float(clip) * _kernels._per_clip(small, 2, torch.float32)
+    small[0, 1, 0] = thr * 0.99
+    assert not _kernels._underflow_unsafe_on_host(small, 2, f3, clip, torch.float32)
+    small[0, 1, 0] = -thr * 1.01
+    assert _kernels._underflow_unsafe_on_host(small, 2, f3, clip, torch.float32)
+    assert not _kernels._underflow_unsafe_on_host(small, 2, torch.ones(1, 1, 1), clip, torch.float32)
