@@ -916,3 +916,34 @@ def test_float64_example_huge_on_both_sides_adds_nothing(bookkeeping, operator_b
     out = step(x, v).clipped
     assert out.num_nonfinite == 1
     assert float((out.grads["weight"] - base).norm()) / c <= 1.0
+
+
+def test_flushed_subnormals_are_refused_before_anything_runs():
+    # The contract bounds underflow by the size of a subnormal; flushed to zero, a hostile
+    # review's bias norm came out 2^11 too small (2046 C) and a book-keeping sum moved by
+    # 1.004 C. Both the compiled step and the eager reference refuse, and the step's key and
+    # call count do not move.
+    from opake_compile.dpsgd.clipping import clip_and_sum
+    from opake_compile.exceptions import ConfigurationError
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormals")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(2, 4)
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=1.0, backend="aot_eager",
+                      physical_batch_size=2)
+    x, v = torch.randn(2, 1, 2), torch.randn(2, 1, 4)
+    before = step(x, v).clipped.grads["bias"]
+    state = step.state_dict()
+    torch.set_flush_denormal(True)
+    try:
+        with pytest.raises(ConfigurationError, match="set_flush_denormal"):
+            step(x, v)
+        with pytest.raises(ConfigurationError, match="set_flush_denormal"):
+            clip_and_sum({"g": torch.randn(3, 2)}, 1.0)
+    finally:
+        torch.set_flush_denormal(False)
+    assert step.state_dict()["num_calls"] == state["num_calls"]
+    assert str(step.state_dict()["key"]) == str(state["key"])
+    assert torch.equal(step(x, v).clipped.grads["bias"], before)  # works again once restored

@@ -287,6 +287,7 @@ class DPStep:
             reject_dp_output(a, where=f"argument {i}")
         batched = self._batched_positions(len(args))
         n = check_batch_size(args, batched)
+        _num.check_gradual_underflow()
         params, buffers, modes = _model_state(self.model)
         trainable = tuple(k for k, p in params.items() if p.requires_grad)
         if not trainable:
@@ -731,7 +732,8 @@ def compile_dp(
         ``clipped``: a :class:`ClippedPytree` of unnormalised sums, ``coverage``).
 
     Raises:
-        ConfigurationError: C <= 0 or NaN; batched arguments disagree on the batch size.
+        ConfigurationError: C <= 0 or NaN; batched arguments disagree on the batch size;
+            at a call, subnormal float32 results flushed to zero (``torch.set_flush_denormal``).
         InputTypeError: wrong argument types; no trainable parameter.
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
             per example (the message names the module or the failing op), or a backend that

@@ -162,7 +162,12 @@ def clip_and_sum(
         ``(summed_tree, norms, kept)``: leaves of shape ``leaf_shape`` in the sum dtype
         (float32, or float64 if any leaf is float64), the ``(B,)`` norms before clipping, and
         the bool ``(B,)`` of rows that contributed (finite norm and in the mask).
+
+    Raises:
+        ConfigurationError: subnormal results are flushed to zero
+            (:func:`~opake_compile.compiler.passes.numerics.check_gradual_underflow`).
     """
+    _num.check_gradual_underflow()
     sq, acc = _per_example_sq_norms(per_example_tree)
     norms64 = sq.sqrt()
     kept = torch.isfinite(norms64)
