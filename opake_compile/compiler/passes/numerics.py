@@ -145,6 +145,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -240,7 +241,9 @@ def ieee_float32_matmul() -> Iterator[None]:
                 b.fp32_precision = v
 
 
-_SMALLEST_NORMAL_32: torch.Tensor | None = None
+#: The smallest normal float32 and 1/2, as NumPy scalars: their product is the probe of
+#: :func:`check_gradual_underflow` (a NumPy scalar product costs ~0.5 us, a tensor one ~4.5).
+_PROBE = (np.float32(torch.finfo(torch.float32).smallest_normal), np.float32(0.5))
 
 
 def check_gradual_underflow() -> None:
@@ -251,13 +254,11 @@ def check_gradual_underflow() -> None:
     in the norms, 2^-150 per scaled entry of a book-keeping sum). Flushed, a result below
     2^-126 becomes 0, an error 2^23 times larger: a hostile review measured 2046 C (a bias
     norm 2^11 too small) and 1.004 C (a book-keeping sum) with the setting on. torch has no
-    getter for it, so this multiplies the smallest normal float32 by 1/2 and reads the result
-    (a few microseconds; it runs on the calling thread, where the setting is made).
+    getter for it; the setting is the calling thread's floating-point control word, so this
+    multiplies the smallest normal float32 by 1/2 on that thread and reads the result.
     """
-    global _SMALLEST_NORMAL_32
-    if _SMALLEST_NORMAL_32 is None:
-        _SMALLEST_NORMAL_32 = torch.tensor(torch.finfo(torch.float32).smallest_normal)
-    if float(_SMALLEST_NORMAL_32 * 0.5) == 0.0:
+    tiny, half = _PROBE
+    if float(tiny * half) == 0.0:
         from opake_compile.exceptions import ConfigurationError
 
         raise ConfigurationError(
