@@ -138,13 +138,13 @@ def _exact_scaling(
         left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
         return left, torch.where(keep, b, 0).to(wide)
     a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
-    big_a, big_b = a_acc.abs().amax(dim=(1, 2), keepdim=True), b_acc.abs().amax(dim=(1, 2), keepdim=True)
+    big_a, big_b = _largest(_eager, a_acc), _largest(_eager, b_acc)
     on_left = big_a >= big_b
     # The partner of the scaled operand is the other one; each example is tested against its
-    # own choice: the larger of its two bounds is the one not taken.
+    # own choice (its largest entries read once, for the choice and for the test).
     r, c = at.shape[2], b.shape[2]
-    unsafe_left = underflow_unsafe(_eager, b_acc, r, f3, clip, acc)
-    unsafe_right = underflow_unsafe(_eager, a_acc, c, f3, clip, acc)
+    unsafe_left = _caught(_eager, big_b, _per_clip(b_acc, r, acc), f3, clip)
+    unsafe_right = _caught(_eager, big_a, _per_clip(a_acc, c, acc), f3, clip)
     if bool(torch.where(on_left, unsafe_left, unsafe_right).any()):
         raise UnsupportedOperationError(
             "opake::bookkeeping_mm: a float64 example's operands are both so large (beyond ~2^890) "
@@ -220,11 +220,20 @@ def underflow_unsafe(call, partner, scaled_cols, f3, clip, acc):
         clip: 0-d float64, ``C_eff``.
         acc: the sum dtype (float32 or float64).
     """
-    aten = torch.ops.aten
     # Caught where eta sqrt(R_s) K sqrt(C_p) max|p| > share C_eff (:func:`_per_clip`).
-    per_clip = _per_clip(partner, scaled_cols, acc)
-    wide = torch.float64
-    big = call(aten._to_copy.default, call(aten.amax.default, call(aten.abs.default, partner), [1, 2], True), dtype=wide)
+    return _caught(call, _largest(call, partner), _per_clip(partner, scaled_cols, acc), f3, clip)
+
+
+def _largest(call, x):
+    """``(P, 1, 1)`` float64: the largest magnitude of each example's entries of ``x`` (P, K, C)."""
+    aten = torch.ops.aten
+    return call(aten._to_copy.default, call(aten.amax.default, call(aten.abs.default, x), [1, 2], True), dtype=torch.float64)
+
+
+def _caught(call, big, per_clip, f3, clip):
+    """The test of :func:`underflow_unsafe` given each example's largest partner entry ``big``:
+    ``big > C_eff per_clip`` where the clip factor actually scales (``0 < f < 1``)."""
+    aten = torch.ops.aten
     over = call(aten.gt.Tensor, big, call(aten.mul.Tensor, clip, per_clip))
     scaled = call(aten.logical_and.default, call(aten.lt.Scalar, f3, 1.0), call(aten.gt.Scalar, f3, 0.0))
     return call(aten.logical_and.default, over, scaled)

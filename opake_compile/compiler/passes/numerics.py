@@ -150,6 +150,7 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, val
+from opake_compile.exceptions import ConfigurationError
 
 aten = torch.ops.aten
 
@@ -259,8 +260,6 @@ def check_gradual_underflow() -> None:
     """
     tiny, half = _PROBE
     if float(tiny * half) == 0.0:
-        from opake_compile.exceptions import ConfigurationError
-
         raise ConfigurationError(
             "Subnormal float32 results are flushed to zero (torch.set_flush_denormal(True) is in effect). "
             "The clipping bound relies on gradual underflow: call torch.set_flush_denormal(False) before "
