@@ -24,6 +24,9 @@ each batch of b rows: ``dp_default / dp_exact`` is what the default sizing costs
 ``--threads 1`` times CPU seconds of this process (``time.process_time``) on one thread: on a
 machine shared with other jobs that counts the work each step does and not the time it waits
 for a core, which wall time on several threads does not (default: wall time, torch's threads).
+CPU seconds include the kernel's: the page faults of memory glibc handed back and the step maps
+in again. ``--allocator retain`` keeps freed memory in the process (``bench_step.set_allocator``);
+the last column counts minor page faults per step either way.
 
 Models and batches are those of bench_step.py (same builders, same seeds). Memory is not
 measured here (see bench_step.py's peak-memory columns).
@@ -91,14 +94,16 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
             fn()
         sync()
     times: dict[str, list[float]] = {k: [] for k in steps}
+    faults = dict.fromkeys(steps, 0)
     order = list(steps)
     for r in range(ns.rounds):
         rot = order[r % len(order):] + order[: r % len(order)]
         for k in rot:
-            t0 = clock()
+            f0, t0 = bs.minor_faults(), clock()
             steps[k]()
             sync()
             times[k].append((clock() - t0) * 1e3)
+            faults[k] += bs.minor_faults() - f0
     med = {k: statistics.median(v) for k, v in times.items()}
     base = min(("np_compiled_grad", "np_compiled_backward"), key=lambda k: med[k])
     ratios = {k: med[k] / med[base] for k in dp_rows}
@@ -106,6 +111,7 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> dict[str, Any]:
     out = {
         "model": name, "description": spec.description, "median_ms": med, "min_ms": {k: min(v) for k, v in times.items()},
         "baseline": base, "ratio_of_medians": ratios, "median_round_ratio": rounds, "coverage": dict(dp.coverage),
+        "faults_per_step": {k: v / ns.rounds for k, v in faults.items()},
     }
     if ns.poisson:
         out["poisson"] = run_poisson(bs, spec, dp, loss, model, ns)
@@ -181,29 +187,35 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--poisson", type=int, default=0, help="also time K Poisson batch sizes at default settings")
+    p.add_argument("--allocator", default="system", help="system (glibc as is) or retain (keep freed memory: "
+                   "no page faults from re-mapping each step; see bench_step.set_allocator)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch.set_num_threads (0: torch's default); 1 also times CPU seconds instead of wall time")
     ns = p.parse_args()
     import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
     import torch
 
+    allocator = bs.set_allocator(ns.allocator, ns.device)
     if ns.threads:
         torch.set_num_threads(ns.threads)
     if ns.threads == 1 and ns.device != "cpu":
         p.error("--threads 1 times CPU seconds: use it on the CPU only")
     print(f"# bench_paired torch={torch.__version__} threads={torch.get_num_threads()} "
           f"clock={'cpu' if ns.threads == 1 else 'wall'} rounds={ns.rounds} "
-          f"device={ns.device} loadavg={os.getloadavg()}", flush=True)
+          f"device={ns.device} allocator={allocator} loadavg={os.getloadavg()}", flush=True)
     print("| model | np_compiled_grad ms | np_compiled_backward ms | dp_default ms | dp_p_eq_b ms | dp_fused ms "
-          "| dp_default / fastest np (medians; per round) | dp_p_eq_b / fastest np | dp_fused / fastest np |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| dp_default / fastest np (medians; per round) | dp_p_eq_b / fastest np | dp_fused / fastest np "
+          "| minor page faults / step (fastest np; dp_p_eq_b) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     poisson = []
     for name in [m for m in ns.models.split(",") if m]:
         r = run_model(bs, name, ns)
         m, q, pr = r["median_ms"], r["ratio_of_medians"], r["median_round_ratio"]
         cells = " | ".join(f"{q[k]:.3f}; {pr[k]:.3f}" for k in ("dp_default", "dp_p_eq_b", "dp_fused"))
+        pf = r["faults_per_step"]
         print(f"| {name} | {m['np_compiled_grad']:.2f} | {m['np_compiled_backward']:.2f} | {m['dp_default']:.2f} | "
-              f"{m['dp_p_eq_b']:.2f} | {m['dp_fused']:.2f} | {cells} |", flush=True)
+              f"{m['dp_p_eq_b']:.2f} | {m['dp_fused']:.2f} | {cells} | {pf[r['baseline']]:.0f}; {pf['dp_p_eq_b']:.0f} |",
+              flush=True)
         if "poisson" in r:
             poisson.append((name, r["poisson"]))
     if poisson:

@@ -270,14 +270,16 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> None:
             if ns.verbose:
                 traceback.print_exc()
     times: dict[str, list[float]] = {k: [] for k in steps}
+    faults = dict.fromkeys(steps, 0)
     order = list(steps)
     for r in range(ns.rounds):
         rot = order[r % max(1, len(order)):] + order[: r % max(1, len(order))]
         for k in rot:
-            t0 = time.perf_counter()
+            f0, t0 = bs.minor_faults(), time.perf_counter()
             steps[k]()
             sync()
             times[k].append((time.perf_counter() - t0) * 1e3)
+            faults[k] += bs.minor_faults() - f0
     peaks = {}
     for k, fn in steps.items():
         peaks[k], _ = bs.peak_step_bytes(fn, ns.device)
@@ -285,11 +287,12 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> None:
     nps = [k for k in ("np_grad", "np_backward") if k in med]
     base = min(nps, key=lambda k: med[k]) if nps else None
     print(f"\n### {name}: {spec.description}", flush=True)
-    print("| row | median ms (min-max) | / fastest np (medians; per round) | peak MB | / np peak | first call s |")
-    print("|---|---|---|---|---|---|")
+    print("| row | median ms (min-max) | / fastest np (medians; per round) | peak MB | / np peak | first call s "
+          "| minor faults / step |")
+    print("|---|---|---|---|---|---|---|")
     for k in ns.rows:
         if k in failed:
-            print(f"| {k} | fails: {failed[k]} | | | | |")
+            print(f"| {k} | fails: {failed[k]} | | | | | |")
             continue
         v = times[k]
         ratio = rr = pr = ""
@@ -298,7 +301,7 @@ def run_model(bs: Any, name: str, ns: argparse.Namespace) -> None:
             rr = f"{statistics.median([a / b for a, b in zip(v, times[base])]):.3f}"
             pr = f"{peaks[k] / peaks[base]:.2f}" if peaks[base] else ""
         print(f"| {k} | {med[k]:.1f} ({min(v):.1f}-{max(v):.1f}) | {ratio}; {rr} | {peaks[k] / 2**20:.0f} | {pr} "
-              f"| {first[k]:.1f} |", flush=True)
+              f"| {first[k]:.1f} | {faults[k] / max(ns.rounds, 1):.0f} |", flush=True)
     dp = getattr(steps.get("dp_default"), "dp", None)
     if dp is not None:
         print(f"# dp_default plan for B={spec.batch_size}: {dp.plan(spec.batch_size)}; compiles {dp.num_backend_compiles}; "
@@ -315,13 +318,17 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--verbose", action="store_true", help="print a failing row's traceback")
+    p.add_argument("--allocator", default="system", help="system (glibc as is) or retain (keep freed memory: "
+                   "no page faults from re-mapping each step; see bench_step.set_allocator)")
     ns = p.parse_args()
     ns.rows = [r for r in ns.rows.split(",") if r]
     import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
+
+    allocator = bs.set_allocator(ns.allocator, ns.device)
     import torch
 
     print(f"# bench_shapes torch={torch.__version__} threads={torch.get_num_threads()} device={ns.device} "
-          f"rounds={ns.rounds} loadavg={os.getloadavg()}", flush=True)
+          f"rounds={ns.rounds} allocator={allocator} loadavg={os.getloadavg()}", flush=True)
     for name in [m for m in ns.models.split(",") if m]:
         run_model(bs, name, ns)
     print(f"# loadavg end {os.getloadavg()}")

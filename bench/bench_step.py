@@ -307,6 +307,44 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
 
+ALLOCATORS = ("system", "retain")
+
+
+def set_allocator(kind: str, device: str) -> str:
+    """How the CPU allocator treats freed memory in this process (``--allocator``).
+
+    ``"system"`` leaves glibc's malloc as it is: blocks above its (dynamic) mmap threshold are
+    returned to the kernel when freed, and so is free memory at the top of the heap, so every
+    step of a compiled graph page-faults its large temporaries in again (measured: 6,500 minor
+    faults and 18 ms of system time in a 125 ms DP step of the encoder, 2,200 and 4 ms in its
+    non-private step). ``"retain"`` calls ``mallopt`` so that malloc never maps blocks apart
+    (``M_MMAP_MAX = 0``) and never trims the heap (``M_TRIM_THRESHOLD`` = 2 GiB): what a
+    caching allocator (jemalloc, tcmalloc, or a GPU's) does for a loop of same-sized steps.
+    Set it before the first large allocation. Returns what was set, as printed in the header.
+
+    Raises:
+        RuntimeError: ``"retain"`` where the C library has no ``mallopt`` (not glibc).
+    """
+    if kind not in ALLOCATORS:
+        raise ValueError(f"--allocator: {kind!r} is not one of {ALLOCATORS}")
+    if kind == "system":
+        return "system"
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("--allocator retain needs glibc's mallopt")
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**31 - 1)):
+        raise RuntimeError("mallopt refused the retain settings")
+    return "retain (glibc M_MMAP_MAX=0, M_TRIM_THRESHOLD=2GiB)" + ("" if device == "cpu" else "; host memory only")
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (all threads): first touches of fresh pages."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _trainable(model: Any) -> dict:
     return {k: p for k, p in model.named_parameters() if p.requires_grad}
 
