@@ -125,7 +125,8 @@ things are needed:
    a result below 2^-126 becomes 0, 2^23 times the error bounded above (measured: 2046 C via
    a bias norm, 1.004 C via a book-keeping sum), so the step and the eager reference refuse
    to run then (:func:`check_gradual_underflow`). Whether a GPU backend's kernels flush
-   float32 subnormals (Triton's ``ftz`` options) is not yet measured: a GPU check to make.
+   float32 subnormals is not yet measured (Triton links libdevice with its flush-to-zero
+   variants): ``tests/test_gpu.py`` checks each kind of float32 arithmetic the graph uses.
 
 The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
 sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
