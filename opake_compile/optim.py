@@ -13,7 +13,11 @@ Every release is charged. The accountant charges what each ``ClippedPytree`` say
 from its sample (the gradient query, plus ``clipped.releases`` such as the noisy count of
 adaptive clipping, accounted as ``poisson(gaussian(sigma) | release, q)``), and it charges per
 Poisson *draw* of the sampler, not per call: several draws in one step are refused, and a draw
-handed out but never stepped on is charged at the next step that names a later draw.
+handed out but never stepped on is charged at the next step that names a later draw. One sample
+is released once: two noisy releases of one Poisson sample cost ``poisson(g | g, q)``, more
+than two Poisson steps, so a clipped sum (or a part of one) already released, a step naming no
+draw when the sampler has none pending, and a second optimizer charging the same sampler are
+refused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +49,47 @@ __all__ = ["DPOptimizer", "accumulate"]
 _STATE_VERSION = 1
 
 
+#: The clipped sums some ``DPOptimizer`` step released, by the identity of their gradient
+#: tensors (``id -> weakref``): releasing one again is a second noisy view of the same sample,
+#: which no per-draw charge covers (``poisson(g | g, q)``, not two Poisson steps).
+_RELEASED: dict[int, weakref.ref] = {}
+#: The parts' gradient tensors of each sum made by :func:`accumulate`, released with it.
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The optimizer charging each sampler's draws (one per sampler: two optimizers stepping on one
+#: draw release it twice, each charging it once).
+_CHARGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _was_released(t: Any) -> bool:
+    ref = _RELEASED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def _mark_released(tensors: Any) -> None:
+    for t in tensors:
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _RELEASED.get(key) is ref:
+                del _RELEASED[key]
+
+        _RELEASED[key] = weakref.ref(t, forget)
+
+
+def _sum_tensors(clipped: ClippedPytree) -> list[Any]:
+    grads = clipped.grads.values() if isinstance(clipped.grads, dict) else ()
+    return [t for t in grads if isinstance(t, torch.Tensor)] + list(_SOURCES.get(clipped, ()))
+
+
+def _check_not_released(clipped: ClippedPytree, what: str) -> None:
+    if any(_was_released(t) for t in _sum_tensors(clipped)):
+        raise ConfigurationError(
+            f"{what} was already released by a DPOptimizer step: a second noisy release of the same "
+            "clipped sum is two views of one sample, not a new Poisson step. Compute a new clipped sum "
+            "on a new draw."
+        )
+
+
 def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
     """Add the clipped sums of several physical batches that form one logical batch.
 
@@ -59,16 +105,27 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
         InputTypeError: an element is not a ``ClippedPytree``; the list is empty.
         ConfigurationError: the parts disagree on C or on the parameters, one is normalised, or
             they come from different Poisson draws (one noise on the sum of several draws is
-            not a Poisson-subsampled Gaussian at rate q).
+            not a Poisson-subsampled Gaussian at rate q); a part is passed twice (its examples
+            would count twice: sensitivity 2 C under one charge) or was already released.
     """
     parts = list(parts)
     if not parts:
         raise InputTypeError("accumulate needs at least one ClippedPytree.")
-    for p in parts:
+    seen: set[int] = set()
+    for i, p in enumerate(parts):
         if not isinstance(p, ClippedPytree):
             raise InputTypeError(f"accumulate expects ClippedPytree parts, got {type(p).__name__}.")
         if p.normalize_by is not None:
             raise ConfigurationError("accumulate expects unnormalised sums (normalize_by=None).")
+        tensors = {id(t) for t in _sum_tensors(p)}
+        if tensors & seen:
+            raise ConfigurationError(
+                f"Part {i} repeats a part passed before it (the same gradient tensors): its examples "
+                "would be summed twice, so one example could move the sum by 2 C under one charge. "
+                "Pass each physical batch once."
+            )
+        seen |= tensors
+        _check_not_released(p, f"Part {i}")
     first = parts[0]
     for p in parts[1:]:
         if p.clipping_norm != first.clipping_norm:
@@ -88,7 +145,7 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
     # Several partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS): a float32 sum
     # of many examples rounds on a grid the sensitivity slack cannot absorb.
     grads = {k: functools.reduce(_num.add_partial, [p.grads[k] for p in parts]) for k in first.grads}
-    return ClippedPytree(
+    out = ClippedPytree(
         grads=grads,
         clipping_norm=first.clipping_norm,
         per_example_norms=torch.cat([p.per_example_norms.reshape(-1) for p in parts]),
@@ -99,6 +156,8 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
         releases=tuple(r for p in parts for r in p.releases),
         draw=next(iter(draws), None),
     )
+    _SOURCES[out] = tuple(t for p in parts for t in _sum_tensors(p))  # released with the sum
+    return out
 
 
 def _view_key(t: torch.Tensor) -> tuple:
@@ -225,6 +284,7 @@ class DPOptimizer:
         self.budget = budget
         self._steps = 0
         self._draws_charged = 0  # draws of the sampler with seq < this are charged
+        self._warned_undrawn = False
         self._runs: tuple[tuple[Any, int], ...] = ()  # ((step process, count), ...) in order
         with warnings.catch_warnings():
             # sigma = 0 was already reported above; do not repeat it on every accounting query.
@@ -367,7 +427,16 @@ class DPOptimizer:
                 gradient whose parameter is not in the optimizer or has another shape; parts or
                 a ``draw`` from different draws, a draw of another sampler, a draw already
                 charged, or several draws handed out and none named; a release in
-                ``clipped.releases`` that cannot be accounted for.
+                ``clipped.releases`` that cannot be accounted for; a sum (or part) released
+                before (a retry after the wrapped step raised included: ``.grad`` was written);
+                no draw named while the sampler has handed out draws and none is pending; more
+                examples than the named draw holds; another ``DPOptimizer`` charging this
+                sampler.
+
+        Warns:
+            NotPrivateWarning: once, when the sampler has handed out no draw at all: each step
+                is then charged as one Poisson draw at rate q, which holds only if the batches
+                really are such draws.
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
         """
         if not isinstance(clipped, ClippedPytree):
@@ -384,6 +453,14 @@ class DPOptimizer:
                 f"The ClippedPytree was already normalised (normalize_by={clipped.normalize_by}); "
                 "DPOptimizer adds noise to the sum and divides by the expected batch size itself."
             )
+        _check_not_released(clipped, "This clipped sum")
+        charger = _CHARGERS.get(self.sampler)
+        if charger is not None and charger() not in (None, self):
+            raise ConfigurationError(
+                "Another DPOptimizer already charges this sampler's draws: two optimizers stepping on "
+                "one draw release it twice while each charges it once. Use one DPOptimizer per sampler "
+                "(or one sampler per optimizer, each with its own key)."
+            )
         world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
         if clipped.num_ranks != world:
             raise ConfigurationError(
@@ -391,15 +468,24 @@ class DPOptimizer:
                 f"group has {world}: call opake_compile.distributed.sum_gradients(clipped) first, so "
                 "that every rank adds the same noise to the same global sum."
             )
-        from opake_compile.sampling import Draw
+        from opake_compile.sampling import Draw, draw_of
 
-        if isinstance(draw, Draw) and clipped.num_examples > len(draw):
+        named = draw_of(draw) if draw is not None else clipped.draw
+        if isinstance(draw, Draw):
+            size = len(draw)
+        elif named is not None and named.source == getattr(self.sampler, "_id", None) and hasattr(self.sampler, "_size_of"):
+            size = self.sampler._size_of(named)
+        else:
+            size = None
+        if size is not None and clipped.num_examples > size:
             # Parts of one draw hold disjoint examples: more examples than the draw has means an
-            # example was summed twice (the same batch's parts passed again), so one example
-            # could move the sum by more than C while one step is charged.
+            # example was summed twice (the same batch's parts passed again) or several draws
+            # were summed, so one example could move the sum by more than C while one step is
+            # charged.
             raise ConfigurationError(
-                f"The clipped sum holds {clipped.num_examples} examples but draw {draw.id.seq} has only "
-                f"{len(draw)}: a part was passed more than once. Pass each physical batch of the draw once."
+                f"The clipped sum holds {clipped.num_examples} examples but draw {named.seq} has only "
+                f"{size}: a part was passed more than once, or parts of several draws were summed. "
+                "Pass each physical batch of the draw once, one step per draw."
             )
         c = clipped.clipping_norm
         if math.isinf(c) and self.noise_multiplier > 0:
@@ -422,6 +508,7 @@ class DPOptimizer:
             self._steps += charge
             self._runs = runs
             self._draws_charged = draws_charged
+            self._released(clipped)
 
         self._write_and_step(noised, targets, commit)
 
@@ -472,8 +559,18 @@ class DPOptimizer:
             self._steps += 1
             self._runs = _append_run(self._runs, self._step_process, 1)  # keeps the checkpoint's count
             self._draws_charged = draws_charged
+            self._released(clipped)
 
         self._write_and_step(noised.grads, targets, commit)
+
+    def _released(self, clipped: ClippedPytree) -> None:
+        """Record a release (at the write to ``.grad``): the sum and its parts may not be
+        released again, and this optimizer charges its sampler's draws from now on."""
+        _mark_released(_sum_tensors(clipped))
+        try:
+            _CHARGERS[self.sampler] = weakref.ref(self)
+        except TypeError:  # a sampler object that cannot be weakly referenced: not tracked
+            pass
 
     @property
     def noise_state(self) -> Any:
@@ -507,6 +604,24 @@ class DPOptimizer:
                 )
             return named.seq + 1 - self._draws_charged, named.seq + 1
         pending = 0 if handed_out is None else handed_out - self._draws_charged
+        if pending == 0 and handed_out:
+            raise ConfigurationError(
+                f"The sampler handed out no draw since the last charged step (draws 0..{handed_out - 1} "
+                "are charged) and this step names none: its sum is a second release of a draw already "
+                "stepped on (two views of one sample, not a new Poisson step) or comes from batches this "
+                "sampler did not draw (fixed or shuffled batches are not Poisson sampling at rate q). "
+                "Draw each batch from the sampler (for idx in sampler: ...) and step on it."
+            )
+        if handed_out == 0 and not self._warned_undrawn:
+            self._warned_undrawn = True
+            warnings.warn(
+                "DPOptimizer.step: the sampler has handed out no draw, so each step is charged as one "
+                f"Poisson draw at rate q={self.sample_rate} of N={self.dataset_size}; that holds only if "
+                "the batches are such draws. Draw them from the sampler (for idx in sampler: ...): fixed "
+                "or shuffled batches are not Poisson sampling, and the reported epsilon would be too small.",
+                NotPrivateWarning,
+                stacklevel=3,
+            )
         if pending > 1:
             raise ConfigurationError(
                 f"The sampler handed out {pending} draws since the last charged step and this step "

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = [
 _STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
 _SAMPLER_IDS = itertools.count()
+_RECENT_SIZES = 256  # draws whose sizes a sampler remembers (DPOptimizer's check of named draws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +210,12 @@ class PoissonSampler(Sampler[list[int]]):
         self._epoch = 0
         self._id = next(_SAMPLER_IDS)
         self._handed_out = 0
+        # Which draw each (epoch, step) was handed out as, in runs [epoch, step0, seq0, count]
+        # (iteration hands out consecutive steps as consecutive draws: one run per epoch): a
+        # position handed out again (batch_at) is the same sample, so it keeps its draw, and
+        # DPOptimizer then refuses a second step on it instead of charging a fresh draw.
+        self._history: list[list[int]] = []
+        self._sizes: dict[int, int] = {}  # seq -> size, for the most recent draws
         # Mid-epoch position, for checkpoints: (epoch, batches of it drawn so far) while an
         # epoch is being iterated; a restored position makes the next iter() resume there.
         self._position: tuple[int, int] | None = None
@@ -280,10 +288,36 @@ class PoissonSampler(Sampler[list[int]]):
             yield draw
 
     def _draw(self, epoch_key: oprandom.Key, step: int, epoch: int) -> Draw:
-        """Hand out batch ``step`` of ``epoch`` as the next :class:`Draw`."""
-        draw = Draw(self._batch(epoch_key, step), DrawId(self._id, self._handed_out, epoch, step))
-        self._handed_out += 1
+        """Hand out batch ``step`` of ``epoch`` as the next :class:`Draw`, or, for a position
+        handed out before, as the draw it was then (the same indices: the same sample)."""
+        seq = self._seq_at(epoch, step)
+        if seq is None:
+            seq = self._handed_out
+            self._handed_out += 1
+            last = self._history[-1] if self._history else None
+            if last is not None and last[0] == epoch and last[1] + last[3] == step and last[2] + last[3] == seq:
+                last[3] += 1
+            else:
+                self._history.append([epoch, step, seq, 1])
+        draw = Draw(self._batch(epoch_key, step), DrawId(self._id, seq, epoch, step))
+        self._sizes[seq] = len(draw)
+        if len(self._sizes) > _RECENT_SIZES:
+            del self._sizes[next(iter(self._sizes))]
         return draw
+
+    def _size_of(self, draw_id: DrawId) -> int:
+        """How many examples draw ``draw_id`` holds (drawn again if it is not recent)."""
+        size = self._sizes.get(draw_id.seq)
+        if size is None:
+            size = len(self._batch(oprandom.fold_in(self._key, draw_id.epoch), draw_id.step))
+        return size
+
+    def _seq_at(self, epoch: int, step: int) -> int | None:
+        """The draw number position ``(epoch, step)`` was handed out as, or ``None``."""
+        for e, s0, q0, n in reversed(self._history):
+            if e == epoch and s0 <= step < s0 + n:
+                return q0 + step - s0
+        return None
 
     def _batch(self, epoch_key: oprandom.Key, step: int) -> list[int]:
         g = oprandom.generator_from_key(oprandom.fold_in(epoch_key, step))
@@ -298,7 +332,10 @@ class PoissonSampler(Sampler[list[int]]):
     def batch_at(self, epoch: int, step: int) -> Draw:
         """The indices of batch ``step`` of epoch ``epoch``, without touching the epoch counter.
 
-        The result is handed out like any other draw (it counts in :attr:`draws_handed_out`).
+        The result is handed out like any other draw (it counts in :attr:`draws_handed_out`),
+        except that a position handed out before (by iteration or an earlier call) comes back
+        as that same draw, ``.id`` included: it is the same sample, so ``DPOptimizer`` refuses
+        a second step on it (two releases of one sample are not two Poisson steps).
 
         Raises:
             InputTypeError: a non-int argument.
@@ -334,6 +371,8 @@ class PoissonSampler(Sampler[list[int]]):
             "truncated_batch_size": self._truncated_batch_size,
             "steps": self._steps,
             "draws_handed_out": self._handed_out,
+            # One string: a checkpoint restores into a template of fixed structure.
+            "history": json.dumps(self._history),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -378,12 +417,25 @@ class PoissonSampler(Sampler[list[int]]):
         position = state.get("position", 0)
         if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= self._steps:
             raise CheckpointError(f"Invalid position {position!r} in PoissonSampler state (steps={self._steps}).")
+        history = state.get("history", "[]")  # absent in states saved before it was kept
+        try:
+            history = json.loads(history)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"Invalid history in PoissonSampler state: {err}") from err
+        if not isinstance(history, list) or not all(
+            isinstance(run, list) and len(run) == 4
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in run)
+            and run[3] > 0 and run[1] + run[3] <= self._steps and run[2] + run[3] <= handed_out
+            for run in history
+        ):
+            raise CheckpointError("Invalid history in PoissonSampler state (runs [epoch, step, seq, count]).")
         if position == self._steps:
             epoch, position = epoch + 1, 0
         self._epoch = epoch
         self._resume_at = position
         self._position = None
         self._handed_out = handed_out
+        self._history = [list(run) for run in history]
 
     def __repr__(self) -> str:
         return (

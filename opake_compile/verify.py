@@ -23,7 +23,9 @@ _RHO = RHO[torch.float32]
 
 @dataclasses.dataclass(frozen=True)
 class VerificationReport:
-    """Result of :func:`verify`.
+    """Result of :func:`verify`. **Not privatised:** every number in it is a statistic of the
+    batch it was run on (differences of clipped sums, per-example norms); run it on data you may
+    look at, and do not publish it as a private result.
 
     Attributes:
         max_abs_diff: max over parameters and entries of |compiled - reference| of the clipped sum.
@@ -90,7 +92,7 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     for a correct DP step). The per-example norms are compared in relative terms
     (:attr:`VerificationReport.norm_overestimate`): a compiled norm above the reference means
     the example is clipped harder than C asks, which is how over-clipping shows on a user's
-    own model.
+    own model. The report is **not privatised** (:class:`VerificationReport`).
 
     Args:
         step: a :class:`DPStep` from ``compile_dp``.

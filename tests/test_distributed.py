@@ -545,7 +545,8 @@ def test_helpers_without_process_group():
     assert list(D.local_shard(ds, rank=2, world_size=3).indices) == [2]
     clipped = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.ones(1), num_examples=1)
     assert D.sum_gradients(clipped) is clipped
-    acc = D.sum_gradients([clipped, clipped])
+    other = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.ones(1), num_examples=1)
+    acc = D.sum_gradients([clipped, other])  # (the same part twice is refused: tests/test_optim_charging.py)
     assert acc.num_examples == 2 and torch.equal(acc.grads["w"], torch.full((2,), 2.0))
     assert D.reduce_pytree_(tree, "sum") is tree and torch.equal(tree["a"], torch.arange(3.0))
     assert D.sum_gradients_(clipped) is clipped

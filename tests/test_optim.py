@@ -265,7 +265,8 @@ def test_empty_batch_step_counts_and_is_pure_noise():
     assert stats.kstest(z.numpy(), "norm").pvalue > 1e-3
     # And it equals the update of an explicit all-zero sum with the same key.
     twin = mlp_case(seed=6)
-    opt2 = _dp(torch.optim.SGD(twin.model.parameters(), lr=1.0), sigma=1.5, sampler=sampler, key=2)
+    # (Its own sampler: one DPOptimizer charges a sampler's draws.)
+    opt2 = _dp(torch.optim.SGD(twin.model.parameters(), lr=1.0), sigma=1.5, sampler=_sampler(n=50, q=0.1), key=2)
     params = dict(twin.model.named_parameters())
     opt2.step(ClippedPytree(grads={k: torch.zeros_like(p) for k, p in params.items()}, clipping_norm=0.8,
                             per_example_norms=torch.zeros(0), num_examples=0, parameters=params))

@@ -320,8 +320,146 @@ def test_parts_holding_more_examples_than_their_draw_are_refused():
     assert len(idx) > 0
     x, y = _data(50)
     part = _clipped_sum(params, x[list(idx)], y[list(idx)])
-    with pytest.raises(ConfigurationError, match="more than once"):
-        opt.step([part, part], draw=idx)
+    with pytest.raises(ConfigurationError, match="repeats a part"):
+        opt.step([part, part], draw=idx)  # the same object twice: refused whatever the draw
+    with pytest.raises(ConfigurationError, match="repeats a part"):
+        opt.step([part, part])
+    # The same rows clipped twice (other tensors): the draw's size decides, named by its id too
+    # (the sampler remembers recent draws' sizes).
+    again = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    for named in (idx, idx.id):
+        with pytest.raises(ConfigurationError, match="more than once"):
+            opt.step([part, again], draw=named)
     assert opt.steps == 0 and params["w"].grad is None
     opt.step([part], draw=idx)
     assert opt.steps == 1
+
+
+# ---------------------------------------------------------------- one release per sample (review)
+# A review found second releases of one Poisson sample charged as fresh Poisson steps: the same
+# clipped sum stepped on twice (a retry, or a step without draw= after one with it), a position
+# handed out again by batch_at, two optimizers on one draw. Two releases on one sample cost
+# poisson(g | g, q) (3.50 at sigma = 1, q = 0.1, delta = 1e-5), not two steps (1.92).
+def _state(params, opt):
+    return {k: v.detach().clone() for k, v in params.items()}, opt.steps, opt.state_dict()["key"]
+
+
+def _same(a, b):
+    assert all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1:] == b[1:]
+
+
+def test_a_released_sum_is_refused_a_second_time():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    x, y = _data(50)
+    idx = next(iter(sampler))
+    clipped = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    opt.step(clipped, draw=idx)
+    before = _state(params, opt)
+    for again in (lambda: opt.step(clipped), lambda: opt.step(dataclasses.replace(clipped, releases=())),
+                  lambda: opt.step([clipped]), lambda: opt.step(clipped, draw=next(iter(sampler)))):
+        with pytest.raises(ConfigurationError, match="already released"):
+            again()
+    _same(before, _state(params, opt))
+
+
+def test_parts_of_a_released_sum_cannot_be_released_again():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    x, y = _data(50)
+    idx = next(iter(sampler))
+    half = len(idx) // 2
+    p1 = _clipped_sum(params, x[list(idx[:half])], y[list(idx[:half])])
+    p2 = _clipped_sum(params, x[list(idx[half:])], y[list(idx[half:])])
+    opt.step(accumulate([p1, p2]), draw=idx)
+    with pytest.raises(ConfigurationError, match="already released"):
+        accumulate([p2])
+    with pytest.raises(ConfigurationError, match="already released"):
+        opt.step([p1, p2], draw=next(iter(sampler)))
+    assert opt.steps == 1
+
+
+def test_a_retry_after_the_wrapped_step_raised_is_refused():
+    # .grad is written (the release) before the wrapped optimizer steps; if that step raises,
+    # the sum was released and is charged; retrying it, with or without the draw, is refused.
+    class Flaky(torch.optim.SGD):
+        fail = True
+
+        def step(self, closure=None):
+            if Flaky.fail:
+                Flaky.fail = False
+                raise RuntimeError("transient")
+            return super().step(closure)
+
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = DPOptimizer(Flaky(params.values(), lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(7))
+    x, y = _data(50)
+    idx = next(iter(sampler))
+    clipped = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    with pytest.raises(RuntimeError, match="transient"):
+        opt.step(clipped, draw=idx)
+    assert opt.steps == 1
+    for kw in ({"draw": idx}, {}):
+        with pytest.raises(ConfigurationError, match="already released"):
+            opt.step(clipped, **kw)
+    assert opt.steps == 1
+
+
+def test_a_step_naming_no_draw_with_none_pending_is_refused():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    x, y = _data(50)
+    idx = next(iter(sampler))
+    opt.step(_clipped_sum(params, x[list(idx)], y[list(idx)]))  # the one pending draw
+    before = _state(params, opt)
+    with pytest.raises(ConfigurationError, match="handed out no draw"):
+        opt.step(_clipped_sum(params, x[list(idx)], y[list(idx)]))  # the same rows, recomputed
+    _same(before, _state(params, opt))
+
+
+def test_a_position_handed_out_again_is_the_same_draw():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    x, y = _data(50)
+    d1, d2 = sampler.batch_at(0, 0), sampler.batch_at(0, 0)
+    assert d1 == d2 and d1.id == d2.id and sampler.draws_handed_out == 1
+    opt.step(_clipped_sum(params, x[list(d1)], y[list(d1)]), draw=d1)
+    with pytest.raises(ConfigurationError, match="already charged"):
+        opt.step(_clipped_sum(params, x[list(d2)], y[list(d2)]), draw=d2)
+    with pytest.raises(ConfigurationError, match="handed out no draw"):
+        opt.step(_clipped_sum(params, x[list(d2)], y[list(d2)]))
+    assert opt.steps == 1
+    # The memory of handed-out positions survives a checkpoint.
+    fresh = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    fresh.load_state_dict(sampler.state_dict())
+    assert fresh.batch_at(0, 0).id.seq == 0 and fresh.draws_handed_out == 1
+
+
+def test_two_optimizers_on_one_sampler_are_refused():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt, other = _optimizer(params, sampler), _optimizer(_params(), sampler)
+    x, y = _data(50)
+    idx = next(iter(sampler))
+    opt.step(_clipped_sum(params, x[list(idx)], y[list(idx)]), draw=idx)
+    with pytest.raises(ConfigurationError, match="Another DPOptimizer"):
+        other.step(_clipped_sum(params, x[list(idx)], y[list(idx)]), draw=idx)
+    assert other.steps == 0
+
+
+def test_a_sampler_never_iterated_warns_that_steps_are_charged_as_draws():
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    opt = _optimizer(params, sampler)
+    x, y = _data(50)
+    with pytest.warns(NotPrivateWarning, match="handed out no draw"):
+        opt.step(_clipped_sum(params, x[:15], y[:15]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NotPrivateWarning)  # once per optimizer
+        opt.step(_clipped_sum(params, x[15:30], y[15:30]))
+    assert opt.steps == 2

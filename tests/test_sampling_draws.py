@@ -20,10 +20,14 @@ def test_draws_are_lists_with_sequential_ids():
     assert [d.id.seq for d in epoch0] == [0, 1, 2]
     assert [(d.id.epoch, d.id.step) for d in epoch0] == [(0, 0), (0, 1), (0, 2)]
     assert s.draws_handed_out == 3
-    peek = s.batch_at(0, 1)  # handed out too: its indices were revealed
-    assert peek == epoch0[1] and list(peek) == list(epoch0[1]) and peek.id.seq == 3
+    peek = s.batch_at(0, 1)  # the same sample as draw 1: the same draw, not a fresh one
+    assert peek == epoch0[1] and list(peek) == list(epoch0[1]) and peek.id == epoch0[1].id
+    assert s.draws_handed_out == 3
+    fresh = s.batch_at(3, 0)  # a position not handed out yet is the next draw
+    assert fresh.id.seq == 3 and s.draws_handed_out == 4
     epoch1 = list(s)
     assert [d.id.seq for d in epoch1] == [4, 5, 6] and epoch1[0].id.epoch == 1
+    assert s.batch_at(3, 0).id == fresh.id and s.batch_at(1, 2).id == epoch1[2].id
     assert torch.as_tensor(epoch1[0], dtype=torch.long).tolist() == list(epoch1[0])
     other = PoissonSampler(30, 0.2, key=oprandom.key(0), steps=3)
     assert next(iter(other)).id.source != epoch0[0].id.source

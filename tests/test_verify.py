@@ -123,6 +123,24 @@ def test_refuses_randomness_and_wrong_types():
         verify(lambda *a: None, x, y)
 
 
+def test_attention_without_dropout_verifies():
+    # SDPA's ops carry the "random" tag whatever their dropout_p: an attention model in eval
+    # mode (or built with dropout 0) was refused as drawing randomness (a newcomer's report).
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(0)
+        model = nn.ModuleList([nn.TransformerEncoderLayer(8, 2, 16, dropout=0.1, batch_first=True), nn.Linear(8, 2)])
+
+    def loss(m, x, y):
+        return F.cross_entropy(m[1](m[0](x).mean(1)), y)
+
+    step = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager")
+    x, y = torch.randn(4, 5, 8, generator=seeded(1)), torch.tensor([0, 1, 1, 0])
+    with pytest.raises(ConfigurationError, match="eval"):
+        verify(step, x, y)  # training mode: dropout draws
+    model.eval()
+    assert verify(step, x, y).ok
+
+
 def test_checks_randomness_of_the_graph_this_call_uses():
     """verify must look at the graph the step ran for *these* arguments and model mode, not at
     whichever graph was built last."""

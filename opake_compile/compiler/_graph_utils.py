@@ -25,6 +25,21 @@ def val(node: Any) -> Any:
     return node.meta["val"] if isinstance(node, fx.Node) else node
 
 
+def draws_randomness(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: an op tagged ``nondeterministic_seeded``, except
+    one whose ``dropout_p`` argument is 0 (the attention ops carry the tag whatever their
+    dropout: an SDPA model in eval mode draws nothing)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == "dropout_p":
+            p = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return not (isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+    return True
+
+
 def shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in node.meta["val"].shape)
 

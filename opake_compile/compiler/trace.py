@@ -43,6 +43,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from opake_compile import patches as _patches
 from opake_compile.compiler import _input_checks
+from opake_compile.compiler._graph_utils import draws_randomness
 from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
@@ -357,11 +358,6 @@ def trace_per_example_grads(
     gm.graph.eliminate_dead_code()
     relax_stride_assumptions(gm)
     gm.recompile()
-    has_random = any(
-        n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in n.target.tags
-        for n in gm.graph.nodes
-    )
+    has_random = any(draws_randomness(n) for n in gm.graph.nodes)
     shapes = {n: tuple(named[n].shape) for n in trainable}
     return TracedGraph(gm=gm, layout=layout, param_shapes=shapes, has_randomness=has_random, input_checks=input_checks)
