@@ -431,7 +431,8 @@ class DPOptimizer:
                 before (a retry after the wrapped step raised included: ``.grad`` was written);
                 no draw named while the sampler has handed out draws and none is pending; more
                 examples than the named draw holds; another ``DPOptimizer`` charging this
-                sampler.
+                sampler; in a process group, a sampler that is not a
+                ``DistributedPoissonSampler`` of its size, or ranks holding different keys.
 
         Warns:
             NotPrivateWarning: once, when the sampler has handed out no draw at all: each step
@@ -468,6 +469,18 @@ class DPOptimizer:
                 f"group has {world}: call opake_compile.distributed.sum_gradients(clipped) first, so "
                 "that every rank adds the same noise to the same global sum."
             )
+        if world > 1:
+            if getattr(self.sampler, "world_size", None) != world:
+                # The same key on every rank's plain sampler draws the same positions in every
+                # shard: inclusions correlated across ranks, not a Poisson sample at rate q.
+                raise ConfigurationError(
+                    f"In a process group of {world} ranks, draw the batches with "
+                    f"opake_compile.distributed.DistributedPoissonSampler (one Poisson sample of the "
+                    f"whole dataset, split across ranks), not {type(self.sampler).__name__}."
+                )
+            from opake_compile.distributed import check_same_key
+
+            check_same_key(self._key)  # different keys: each rank's replica a separate noisy release
         from opake_compile.sampling import Draw, draw_of
 
         named = draw_of(draw) if draw is not None else clipped.draw
@@ -477,7 +490,8 @@ class DPOptimizer:
             size = self.sampler._size_of(named)
         else:
             size = None
-        if size is not None and clipped.num_examples > size:
+        if size is not None and clipped.num_ranks == 1 and clipped.num_examples > size:
+            # (Summed over ranks, the count is global and a rank's draw local: no bound here.)
             # Parts of one draw hold disjoint examples: more examples than the draw has means an
             # example was summed twice (the same batch's parts passed again) or several draws
             # were summed, so one example could move the sum by more than C while one step is

@@ -132,6 +132,27 @@ def _worker(rank: int, store: str, out: str) -> None:
         torch.equal(before[0][k], v) for k, v in _params(case.model).items()
     ) and before[1] == opt.steps
 
+    # A review's two ways to release more than one step's worth in a group: a noise key per
+    # rank (each replica a separate noisy release of one sum), and a plain sampler on every
+    # rank (the same key draws the same positions in every shard: correlated inclusions).
+    from opake_compile.sampling import PoissonSampler
+
+    lin = nn.Linear(3, 1, bias=False)
+    refusals = {}
+    for name, sampler, key in (("keys", _config_sampler(), oprandom.key(100 + rank)),
+                               ("sampler", PoissonSampler(N, Q, key=oprandom.key(3)), D.broadcast_key(oprandom.key(9)))):
+        other = DPOptimizer(torch.optim.SGD(lin.parameters(), lr=1.0), noise_multiplier=1.0, sampler=sampler, key=key)
+        one = ClippedPytree(grads={"weight": torch.ones(1, 3)}, clipping_norm=1.0, per_example_norms=torch.ones(1),
+                            num_examples=1, parameters={"weight": lin.weight})
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", NotPrivateWarning)
+                other.step(D.sum_gradients(one))
+            refusals[name] = "accepted"
+        except ConfigurationError as err:
+            refusals[name] = str(err)
+    res["group_refusals"] = refusals
+
     # Plain non-private DDP on the same local batches (mean loss; DDP averages over ranks).
     ddp_case = mlp_case(0, dtype=torch.float64)
     ddp = DDP(ddp_case.model)
@@ -263,7 +284,7 @@ def _sync_objects(rank: int, sigma: float = 1.0, width: int = 3) -> dict:
         torch.manual_seed(rank)
         model = nn.Linear(4, width)
     sampler = D.DistributedPoissonSampler(N, Q, key=oprandom.key(11))
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), noise_multiplier=sigma, sampler=sampler, key=oprandom.key(20 + rank))
+    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), noise_multiplier=sigma, sampler=sampler, key=oprandom.key(20))
     step = compile_dp(lambda m, a: m(a).sum(), model=model, clipping_norm=1.0, backend=None, key=oprandom.key(30 + rank))
     return {
         "model": model, "optimizer": opt, "sampler": sampler, "step": step,
@@ -287,9 +308,13 @@ def _sync_view(objs: dict) -> dict:
 def _sync_scenario(rank: int) -> dict:
     out: dict = {}
     objs = _sync_objects(rank)
-    # Both ranks take two steps (a collective each) with their own noise keys, so parameters,
-    # moments and keys differ; rank 0 alone draws a batch and calls its step twice.
+    # Both ranks take two steps (a collective each) from their own initial parameters; then
+    # their keys and moments are made to differ (steps with per-rank keys are refused), and
+    # rank 0 alone draws a batch and calls its step twice.
     _pure_noise_steps(objs["model"], objs["optimizer"], 2)
+    objs["optimizer"]._key = oprandom.key(20 + rank)
+    for st in objs["optimizer"].optimizer.state.values():
+        st["momentum_buffer"].add_(float(rank))
     if rank == 0:
         next(iter(objs["sampler"]))
         objs["step"](torch.randn(3, 4))
@@ -428,6 +453,12 @@ def test_ranks_add_their_sums_in_float64(runs):
 def test_optimizer_refuses_a_local_sum_in_a_process_group(runs):
     for res in runs:
         assert res["local_sum_refused"] and res["unchanged_after_refusal"]
+
+
+def test_per_rank_keys_and_plain_samplers_are_refused_in_a_group(runs):
+    for res in runs:
+        assert "different noise key" in res["group_refusals"]["keys"]
+        assert "DistributedPoissonSampler" in res["group_refusals"]["sampler"]
 
 
 def test_empty_local_batch_completes_the_step(runs):
