@@ -258,7 +258,7 @@ class Checkpointer:
                 not match ``objects`` (missing or extra names, shapes, dtypes, configuration
                 such as the noise multiplier, sample rate or clipping norm). Nothing has
                 changed then. Older checkpoints are not tried silently: pass one explicitly
-                with :meth:`load`.
+                with :meth:`load` (``rewind=True``, and read its warning).
         """
         found = self.restore_state(**objects)
         return None if found is None else found[0]
@@ -272,15 +272,31 @@ class Checkpointer:
             return None
         return latest, self.load(latest, **objects)
 
-    def load(self, step_number: int, **objects: Any) -> dict[str, Any]:
+    def load(self, step_number: int, *, rewind: bool = False, **objects: Any) -> dict[str, Any]:
         """Load the checkpoint of ``step_number`` into ``objects``; return the restored tree.
 
+        A checkpoint older than the newest one is refused unless ``rewind=True``: a run
+        continued from it draws again the noise of the steps after it, which were already
+        released with other data (the difference of two such releases is the difference of
+        two clipped sums, without noise), and its accountant forgets them. Rewind only when
+        nothing computed after that checkpoint was seen (a newest file corrupted before it
+        left the machine, say).
+
         Raises:
-            CheckpointError: no such checkpoint; as :meth:`restore`.
+            CheckpointError: no such checkpoint; an older one without ``rewind=True``; as
+                :meth:`restore`.
         """
         path = self.path(step_number)
         if not path.is_file():
             raise CheckpointError(f"No checkpoint of step {step_number} in {self._dir} (have {self.steps()}).")
+        latest = self.latest_step()
+        if latest is not None and step_number < latest and not rewind:
+            raise CheckpointError(
+                f"Checkpoint {step_number} is older than the newest ({latest}) in {self._dir}: a run continued "
+                f"from it replays the noise of steps {step_number + 1}..{latest}, already released with other "
+                "data, and its accountant forgets them. Resume from the newest (restore()), or pass "
+                "rewind=True if nothing computed after this checkpoint was ever seen."
+            )
         if not objects:
             raise InputTypeError("Checkpointer.restore needs the objects to restore into, by the names used to save them.")
         flat, meta, header = _read(path)
