@@ -203,7 +203,7 @@ class DPOptimizer:
             is not a mechanism's pair.
         ConfigurationError: sigma < 0 or non-finite; a sampler that is not Poisson (without a
             mechanism that declares it); q * N = 0; a noise mechanism that cannot be accounted
-            with this sampler.
+            with this sampler; a budget whose delta is at least 1/N.
 
     Example::
 
@@ -280,6 +280,13 @@ class DPOptimizer:
         if budget is not None and not isinstance(budget, _acc.PrivacyBudget):
             raise InputTypeError(
                 f"Expected budget from accounting.epsilon_budget/delta_budget, got {type(budget).__name__}."
+            )
+        delta = getattr(budget, "delta", None)
+        if delta is not None and delta >= 1.0 / self.dataset_size:
+            raise ConfigurationError(
+                f"The budget's delta={delta:g} is at least 1/N = {1.0 / self.dataset_size:.3g} (N = "
+                f"{self.dataset_size}): releasing one random record in full is already (0, 1/N)-DP, so "
+                "such a delta protects nobody. Use delta well below 1/N (e.g. 1/N^1.1 or smaller)."
             )
         self.budget = budget
         self._steps = 0

@@ -539,3 +539,10 @@ def test_a_backend_that_cannot_compile_the_graph_is_an_unsupported_operation_err
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=broken_backend)
     with pytest.raises(UnsupportedOperationError, match="broken_backend.*ValueError: Cannot view.*aot_eager"):
         step(*case.make_batch(3, 0))
+
+
+def test_an_unknown_backend_name_is_a_configuration_error():
+    # A typo reached the user as torch._dynamo's InvalidBackend (a newcomer's report).
+    case = mlp_case(seed=0)
+    with pytest.raises(ConfigurationError, match="aot-eager"):
+        compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend="aot-eager")

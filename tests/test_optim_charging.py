@@ -463,3 +463,13 @@ def test_a_sampler_never_iterated_warns_that_steps_are_charged_as_draws():
         warnings.simplefilter("error", NotPrivateWarning)  # once per optimizer
         opt.step(_clipped_sum(params, x[15:30], y[15:30]))
     assert opt.steps == 2
+
+
+def test_a_budget_with_delta_of_at_least_one_over_n_is_refused():
+    # (0, 1/N) is what publishing one random record achieves: a newcomer's delta = 0.5 budget
+    # was accepted and allowed 11 steps.
+    sampler = PoissonSampler(1000, 0.1, key=opake.random.key(3))
+    for delta in (0.5, 1e-3):
+        with pytest.raises(ConfigurationError, match="1/N"):
+            _optimizer(_params(), sampler, budget=acc.epsilon_budget(1.0, delta=delta))
+    assert _optimizer(_params(), sampler, budget=acc.epsilon_budget(1.0, delta=1e-5)).budget is not None

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from opake_compile.exceptions import UnsupportedOperationError
+from opake_compile.exceptions import ConfigurationError, UnsupportedOperationError
 
 __all__ = ["CompileCounter", "lower"]
 
@@ -24,7 +24,15 @@ class CompileCounter:
     per ``DPStep``: no process-global state."""
 
     def __init__(self, backend: str | Callable[..., Any]) -> None:
-        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        if isinstance(backend, str):
+            try:
+                backend = torch._dynamo.lookup_backend(backend)
+            except torch._dynamo.exc.InvalidBackend as err:
+                raise ConfigurationError(
+                    f"backend={backend!r} is not a torch.compile backend: use 'inductor', 'aot_eager', "
+                    "another name torch._dynamo.list_backends() gives, a backend callable, or None."
+                ) from err
+        self.backend = backend
         self.count = 0
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

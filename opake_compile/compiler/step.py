@@ -732,9 +732,11 @@ def compile_dp(
         ``clipped``: a :class:`ClippedPytree` of unnormalised sums, ``coverage``).
 
     Raises:
-        ConfigurationError: C <= 0 or NaN; batched arguments disagree on the batch size;
-            at a call, subnormal float32 results flushed to zero (``torch.set_flush_denormal``).
-        InputTypeError: wrong argument types; no trainable parameter.
+        ConfigurationError: C <= 0 or NaN; a backend name ``torch.compile`` does not know;
+            batched arguments disagree on the batch size; at a call, subnormal float32 results
+            flushed to zero (``torch.set_flush_denormal``).
+        InputTypeError: wrong argument types; no trainable parameter (at a call: which
+            parameters train is read then, ``requires_grad`` may change between calls).
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
             per example (the message names the module or the failing op), or a backend that
             cannot compile the traced graph (at the first call; the message says so). A rewrite
