@@ -368,10 +368,16 @@ class DPStep:
         ]
         if not self._cache:
             lines.append("  not traced yet: call the step once.")
-        for i, c in enumerate(self._cache.values()):
-            lines.append(f"  graph {i}:")
-            width = max(len(k) for k in c.coverage)
+        shown: dict[Any, int] = {}
+        for i, (sig, c) in enumerate(self._cache.items()):
             notes = {k: v for r in c.reports for k, v in r.notes.items()}
+            same = (tuple(c.coverage.items()), tuple(notes.items()), tuple((r.name, tuple(r.matches.items())) for r in c.reports))
+            if same in shown:  # one table per distinct plan (bucket sizes repeat it)
+                lines.append(f"  graph {i} (P={sig[1]}): the paths of graph {shown[same]}")
+                continue
+            shown[same] = i
+            lines.append(f"  graph {i} (P={sig[1]}):")
+            width = max(len(k) for k in c.coverage)
             for name, path in c.coverage.items():
                 why = f" ({notes[name]})" if name in notes and path == "materialized" else ""
                 lines.append(f"    {name:<{width}}  {path}{why}")

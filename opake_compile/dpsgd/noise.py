@@ -79,6 +79,13 @@ def gaussian_noise(
         new_state)``: ``noised.grads = (clipped sum + N(0, (sigma*C)^2 I)) / normalize_by``
         (the division only when the ``ClippedPytree`` was normalised).
 
+    Warning:
+        The same state gives the same noise (JAX-style, for reproducibility). Pass each state
+        once and carry ``new_state`` on: two sums noised from one state differ by exactly the
+        difference of the clipped sums, with no noise at all. Nothing here is charged to an
+        accountant; :class:`~opake_compile.optim.DPOptimizer` keeps the key and the charge
+        together.
+
     Raises:
         InputTypeError: the input is not a ``ClippedPytree`` (raw tensors have no recorded C;
             a ``NoisedPytree`` must not be noised twice).
