@@ -210,7 +210,8 @@ class DPOptimizer:
         >>> opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
         ...                   sampler=sampler, key=opake.random.key(0),
         ...                   budget=opake.accounting.epsilon_budget(3.0, delta=1e-5))
-        >>> opt.step(step(x, y).clipped)
+        >>> for idx in sampler:                      # every batch a draw of the sampler
+        ...     opt.step(step(x[idx], y[idx]).clipped, draw=idx)
         >>> opt.epsilon()
     """
 
@@ -291,7 +292,6 @@ class DPOptimizer:
         self.budget = budget
         self._steps = 0
         self._draws_charged = 0  # draws of the sampler with seq < this are charged
-        self._warned_undrawn = False
         self._runs: tuple[tuple[Any, int], ...] = ()  # ((step process, count), ...) in order
         with warnings.catch_warnings():
             # sigma = 0 was already reported above; do not repeat it on every accounting query.
@@ -420,7 +420,7 @@ class DPOptimizer:
         ``clipped.draw``. Then every draw of the sampler up to that one not charged yet is
         charged now (a draw handed out and skipped may have been used elsewhere), and later
         draws (prefetched) are not. Without a draw, the step charges the one draw handed out
-        since the last step (or one step if the sampler handed out none) and is refused when
+        since the last step, and is refused when none is pending (a sum of batches the sampler did not draw) or when
         several were handed out: one noise on the sum of several draws is not a step at rate q.
 
         Args:
@@ -436,15 +436,11 @@ class DPOptimizer:
                 charged, or several draws handed out and none named; a release in
                 ``clipped.releases`` that cannot be accounted for; a sum (or part) released
                 before (a retry after the wrapped step raised included: ``.grad`` was written);
-                no draw named while the sampler has handed out draws and none is pending; more
+                no draw named while the sampler has none pending (never iterated included); more
                 examples than the named draw holds; another ``DPOptimizer`` charging this
                 sampler; in a process group, a sampler that is not a
                 ``DistributedPoissonSampler`` of its size, or ranks holding different keys.
 
-        Warns:
-            NotPrivateWarning: once, when the sampler has handed out no draw at all: each step
-                is then charged as one Poisson draw at rate q, which holds only if the batches
-                really are such draws.
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
         """
         if not isinstance(clipped, ClippedPytree):
@@ -625,23 +621,15 @@ class DPOptimizer:
                 )
             return named.seq + 1 - self._draws_charged, named.seq + 1
         pending = 0 if handed_out is None else handed_out - self._draws_charged
-        if pending == 0 and handed_out:
+        if pending == 0 and handed_out is not None:
             raise ConfigurationError(
-                f"The sampler handed out no draw since the last charged step (draws 0..{handed_out - 1} "
-                "are charged) and this step names none: its sum is a second release of a draw already "
-                "stepped on (two views of one sample, not a new Poisson step) or comes from batches this "
-                "sampler did not draw (fixed or shuffled batches are not Poisson sampling at rate q). "
-                "Draw each batch from the sampler (for idx in sampler: ...) and step on it."
-            )
-        if handed_out == 0 and not self._warned_undrawn:
-            self._warned_undrawn = True
-            warnings.warn(
-                "DPOptimizer.step: the sampler has handed out no draw, so each step is charged as one "
-                f"Poisson draw at rate q={self.sample_rate} of N={self.dataset_size}; that holds only if "
-                "the batches are such draws. Draw them from the sampler (for idx in sampler: ...): fixed "
-                "or shuffled batches are not Poisson sampling, and the reported epsilon would be too small.",
-                NotPrivateWarning,
-                stacklevel=3,
+                "The sampler handed out no draw since the last charged step"
+                + (f" (draws 0..{handed_out - 1} are charged)" if handed_out else " (it was never iterated)")
+                + " and this step names none: its sum is a second release of a draw already stepped on "
+                "(two views of one sample, not a new Poisson step) or comes from batches this sampler did "
+                "not draw (fixed or shuffled batches are not Poisson sampling at rate q, and the reported "
+                "epsilon would be too small). Draw each batch from the sampler (for idx in sampler: ...) "
+                "and step on it."
             )
         if pending > 1:
             raise ConfigurationError(

@@ -44,6 +44,7 @@ def _advance(objs, steps: int) -> None:
             clipping_norm=1.0, per_example_norms=torch.zeros(0), num_examples=0,
             parameters=dict(model.named_parameters()),
         )
+        next(iter(opt.sampler))  # a step is charged for a draw the sampler handed out
         opt.step(clipped)
 
 

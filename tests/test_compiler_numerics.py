@@ -137,6 +137,7 @@ def test_optimizer_adds_noise_in_float32_and_casts_only_the_grad():
     opt = DPOptimizer(torch.optim.SGD(mlp.parameters(), lr=0.0), noise_multiplier=1e-3, sampler=sampler, key=oprandom.key(1))
     x, y = torch.randn(8, 4).to(torch.bfloat16), torch.randint(0, 2, (8,))
     clipped = step(x, y).clipped
+    next(iter(sampler))  # the draw the step is charged for
     opt.step(clipped)
     for name, p in mlp.named_parameters():
         assert p.grad.dtype == torch.bfloat16

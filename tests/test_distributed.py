@@ -119,6 +119,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         local = _local(idx, rank)
         clipped = D.sum_gradients(step(x[local], y[local]).clipped)
         res["num_examples"].append((clipped.num_examples, clipped.per_example_norms.numel()))
+        next(iter(opt.sampler))  # the draw this step is charged for (the batches are fixed)
         opt.step(clipped)
         res["dp_params"].append(_params(case.model))
     # A local (unreduced) sum inside the group is refused before anything changes.
@@ -174,6 +175,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     local = [0, 2, 4, 6] if rank == 0 else []
     clipped = D.sum_gradients(nstep(x[local], y[local]).clipped)
     res["noise_num_examples"] = clipped.num_examples
+    next(iter(nopt.sampler))
     nopt.step(clipped)
     res["noise_grad_z"] = net.z.grad.detach().clone()
     res["noise_params"] = _params(net)
@@ -270,6 +272,7 @@ def _inplace_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict:
 
 def _pure_noise_steps(model: nn.Module, opt: DPOptimizer, k: int) -> None:
     for _ in range(k):
+        next(iter(opt.sampler))
         opt.step(D.sum_gradients(ClippedPytree(
             grads={n: torch.zeros_like(p) for n, p in model.named_parameters()}, clipping_norm=1.0,
             per_example_norms=torch.zeros(0), num_examples=0, parameters=dict(model.named_parameters()),
@@ -399,6 +402,7 @@ def _single_process_dp(batches: list[list[int]]) -> list[dict[str, torch.Tensor]
     for idx in batches:
         clipped = step(x[idx], y[idx]).clipped
         assert D.sum_gradients(clipped) is clipped
+        next(iter(opt.sampler))
         opt.step(clipped)
         out.append(_params(case.model))
     return out

@@ -46,6 +46,14 @@ def _dp(optimizer, sigma=1.0, sampler=None, key=0, **kw):
         return DPOptimizer(optimizer, noise_multiplier=sigma, sampler=sampler or _sampler(), key=opake.random.key(key), **kw)
 
 
+def _drawn(opt):
+    """``opt`` after its sampler handed out one more draw. These tests build the sums they step
+    on directly; a step is charged for a draw the sampler handed out, and one with none pending
+    is refused (it would be a sum of batches the sampler did not draw)."""
+    next(iter(opt.sampler))
+    return opt
+
+
 def _nonprivate_step(case, c=math.inf, p=4):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)
@@ -97,7 +105,7 @@ def test_sigma0_cinf_fixed_batches_equal_nonprivate_training(factory, make_opt):
     data = dp_case.make_batch(N, 3)
     for t in range(4):
         batch = tuple(a[t * B : (t + 1) * B] for a in data)
-        opt.step(step(*batch).clipped)
+        _drawn(opt).step(step(*batch).clipped)
         plain_opt.zero_grad()
         dp_case.loss_fn(plain, *batch).backward()
         plain_opt.step()
@@ -125,7 +133,7 @@ def test_noise_std_is_sigma_c_on_the_sum(sigma, c):
     param = nn.Parameter(torch.zeros(200_000))
     sampler = _sampler(n=200, q=0.05)
     opt = _dp(torch.optim.SGD([param], lr=0.0), sigma=sigma, sampler=sampler, key=5)
-    opt.step(_zero_clipped(param, c))
+    _drawn(opt).step(_zero_clipped(param, c))
     z = (param.grad * sampler.expected_batch_size).double().numpy()  # = the noise on the sum
     std = sigma * c
     assert abs(z.std() / std - 1) < 0.01
@@ -140,7 +148,6 @@ def test_noise_is_added_once_to_the_sum_then_divided_by_expected_batch_size():
     case = mlp_case(seed=2, dtype=torch.float64)
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.5, physical_batch_size=8, backend=None)
     clipped = step(*case.make_batch(7, 1)).clipped
-    sampler = _sampler(n=40, q=0.25)  # qN = 10, realised size 7
     zero = ClippedPytree(
         grads={k: torch.zeros_like(g) for k, g in clipped.grads.items()},
         clipping_norm=0.5,
@@ -150,8 +157,9 @@ def test_noise_is_added_once_to_the_sum_then_divided_by_expected_batch_size():
     )
     grads = []
     for cl in (clipped, zero):
-        opt = _dp(torch.optim.SGD(case.model.parameters(), lr=0.0), sigma=2.0, sampler=sampler, key=9)
-        opt.step(cl)
+        # qN = 10, realised size 7; a sampler each (one optimizer charges a sampler's draws)
+        opt = _dp(torch.optim.SGD(case.model.parameters(), lr=0.0), sigma=2.0, sampler=_sampler(n=40, q=0.25), key=9)
+        _drawn(opt).step(cl)
         grads.append({k: p.grad.clone() for k, p in case.model.named_parameters()})
     for k, s in clipped.grads.items():
         torch.testing.assert_close(grads[0][k] - grads[1][k], s / 10.0)
@@ -161,13 +169,13 @@ def test_noise_is_added_once_to_the_sum_then_divided_by_expected_batch_size():
 def test_key_advances_and_noise_differs_between_steps():
     param = nn.Parameter(torch.zeros(1000))
     opt = _dp(torch.optim.SGD([param], lr=0.0), sigma=1.0, key=1)
-    opt.step(_zero_clipped(param, 1.0))
+    _drawn(opt).step(_zero_clipped(param, 1.0))
     g1 = param.grad.clone()
-    opt.step(_zero_clipped(param, 1.0))
+    _drawn(opt).step(_zero_clipped(param, 1.0))
     assert not torch.equal(g1, param.grad)
     fresh = nn.Parameter(torch.zeros(1000))
     opt2 = _dp(torch.optim.SGD([fresh], lr=0.0), sigma=1.0, key=1)
-    opt2.step(_zero_clipped(fresh, 1.0))
+    _drawn(opt2).step(_zero_clipped(fresh, 1.0))
     assert torch.equal(g1, fresh.grad)  # same key, same noise
 
 
@@ -186,7 +194,7 @@ def test_frozen_parameters_and_their_state_never_change(make_opt):
     opt = _dp(make_opt(case.model.parameters()), sigma=1.0)
     for t in range(3):
         frozen.grad = torch.ones_like(frozen)  # a stale, non-private gradient
-        opt.step(step(*case.make_batch(5, t)).clipped)
+        _drawn(opt).step(step(*case.make_batch(5, t)).clipped)
         assert frozen.grad is None
     assert torch.equal(frozen, before)
     assert frozen not in opt.optimizer.state or not opt.optimizer.state[frozen]
@@ -199,7 +207,7 @@ def test_stale_grad_on_trainable_parameter_outside_the_clipped_tree_is_cleared()
     extra.grad = torch.full((3,), 7.0)
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=None)
     opt = _dp(torch.optim.SGD([*case.model.parameters(), extra], lr=1.0), sigma=0.5)
-    opt.step(step(*case.make_batch(3, 0)).clipped)
+    _drawn(opt).step(step(*case.make_batch(3, 0)).clipped)
     assert extra.grad is None
     assert torch.equal(extra, torch.ones(3))
 
@@ -232,12 +240,12 @@ def test_budget_exhausted_changes_nothing():
     allowed = opt.max_steps()
     assert allowed is not None and 1 <= allowed <= 5
     for t in range(allowed):
-        opt.step(step(*case.make_batch(4, t)).clipped)
+        _drawn(opt).step(step(*case.make_batch(4, t)).clipped)
     assert opt.steps == allowed
     params, state, sd = _snapshot(case.model), _opt_state(opt.optimizer), opt.state_dict()
     grads = {k: p.grad.clone() for k, p in case.model.named_parameters()}
     with pytest.raises(PrivacyBudgetExhaustedError):
-        opt.step(step(*case.make_batch(4, 99)).clipped)
+        _drawn(opt).step(step(*case.make_batch(4, 99)).clipped)
     assert opt.steps == allowed
     assert opt.state_dict()["key"] == sd["key"]
     _assert_state_equal(_opt_state(opt.optimizer), state)
@@ -256,7 +264,7 @@ def test_empty_batch_step_counts_and_is_pure_noise():
     opt = _dp(torch.optim.SGD(case.model.parameters(), lr=1.0), sigma=1.5, sampler=sampler, key=2)
     before = _snapshot(case.model)
     out = step(*case.make_batch(0, 0))
-    opt.step(out.clipped)
+    _drawn(opt).step(out.clipped)
     assert opt.steps == 1
     deltas = torch.cat([(before[k] - v).flatten() for k, v in case.model.state_dict().items()])
     assert torch.isfinite(deltas).all() and (deltas != 0).all()
@@ -268,7 +276,7 @@ def test_empty_batch_step_counts_and_is_pure_noise():
     # (Its own sampler: one DPOptimizer charges a sampler's draws.)
     opt2 = _dp(torch.optim.SGD(twin.model.parameters(), lr=1.0), sigma=1.5, sampler=_sampler(n=50, q=0.1), key=2)
     params = dict(twin.model.named_parameters())
-    opt2.step(ClippedPytree(grads={k: torch.zeros_like(p) for k, p in params.items()}, clipping_norm=0.8,
+    _drawn(opt2).step(ClippedPytree(grads={k: torch.zeros_like(p) for k, p in params.items()}, clipping_norm=0.8,
                             per_example_norms=torch.zeros(0), num_examples=0, parameters=params))
     for (k, p), q in zip(case.model.named_parameters(), twin.model.parameters()):
         assert torch.equal(p, q), k
@@ -316,7 +324,7 @@ def test_eager_clipped_grad_on_parameter_dict_is_accepted():
     clipped = ClippedPytree(grads=ref.grads, clipping_norm=0.5, per_example_norms=ref.per_example_norms,
                             num_examples=5, parameters=params)
     opt = _dp(torch.optim.SGD(case.model.parameters(), lr=0.0), sigma=0.0, sampler=_sampler(n=20, q=0.25))
-    opt.step(clipped)
+    _drawn(opt).step(clipped)
     for k, p in params.items():
         torch.testing.assert_close(p.grad, ref.grads[k] / 5.0)
 
@@ -351,7 +359,7 @@ def test_state_dict_round_trip_gives_the_same_next_noise():
     make = lambda m, key: _dp(torch.optim.Adam(m.parameters(), lr=0.05), sigma=1.0, key=key)
     opt = make(case.model, key=3)
     for t in range(2):
-        opt.step(step(*case.make_batch(4, t)).clipped)
+        _drawn(opt).step(step(*case.make_batch(4, t)).clipped)
     sd = copy.deepcopy(opt.state_dict())
     twin = copy.deepcopy(case.model)
     twin_step = compile_dp(case.loss_fn, model=twin, clipping_norm=1.0, physical_batch_size=4, backend=None)
@@ -359,8 +367,8 @@ def test_state_dict_round_trip_gives_the_same_next_noise():
     opt2.load_state_dict(sd)
     assert opt2.steps == 2
     batch = case.make_batch(4, 10)
-    opt.step(step(*batch).clipped)
-    opt2.step(twin_step(*batch).clipped)
+    _drawn(opt).step(step(*batch).clipped)
+    _drawn(opt2).step(twin_step(*batch).clipped)
     for p, q in zip(case.model.parameters(), twin.parameters()):
         assert torch.equal(p, q)
     assert opt.state_dict()["key"] == opt2.state_dict()["key"]
@@ -381,7 +389,7 @@ def test_state_dict_round_trip_gives_the_same_next_noise():
 def test_load_state_dict_refuses_mismatched_config(mutate):
     param = nn.Parameter(torch.zeros(3))
     opt = _dp(torch.optim.SGD([param], lr=0.1), sigma=1.0, key=0)
-    opt.step(_zero_clipped(param, 1.0))
+    _drawn(opt).step(_zero_clipped(param, 1.0))
     sd = copy.deepcopy(opt.state_dict())
     mutate(sd)
     fresh = _dp(torch.optim.SGD([param], lr=0.1), sigma=1.0, key=4)
@@ -410,7 +418,7 @@ def test_accumulate_two_halves_equals_one_batch():
                                          num_examples=cl.num_examples, parameters=params)
         arg = [remap(c) for c in arg] if isinstance(arg, list) else remap(arg)
         opt = _dp(torch.optim.SGD(model.parameters(), lr=1.0), sigma=1.0, key=3)
-        opt.step(arg)
+        _drawn(opt).step(arg)
         assert opt.steps == 1
         results.append([p.detach().clone() for p in model.parameters()])
     for p, q in zip(*results):
