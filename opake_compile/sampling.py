@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import itertools
 import json
@@ -56,7 +57,6 @@ __all__ = [
 _STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
 _SAMPLER_IDS = itertools.count()
-_RECENT_SIZES = 256  # draws whose sizes a sampler remembers (DPOptimizer's check of named draws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +215,10 @@ class PoissonSampler(Sampler[list[int]]):
         # position handed out again (batch_at) is the same sample, so it keeps its draw, and
         # DPOptimizer then refuses a second step on it instead of charging a fresh draw.
         self._history: list[list[int]] = []
-        self._sizes: dict[int, int] = {}  # seq -> size, for the most recent draws
+        # Sizes of the draws handed out since construction or the last load (index: seq minus
+        # _sizes_from), for DPOptimizer's bound on the examples a step on a named draw sums.
+        self._sizes = array.array("q")
+        self._sizes_from = 0
         # Mid-epoch position, for checkpoints: (epoch, batches of it drawn so far) while an
         # epoch is being iterated; a restored position makes the next iter() resume there.
         self._position: tuple[int, int] | None = None
@@ -300,17 +303,16 @@ class PoissonSampler(Sampler[list[int]]):
             else:
                 self._history.append([epoch, step, seq, 1])
         draw = Draw(self._batch(epoch_key, step), DrawId(self._id, seq, epoch, step))
-        self._sizes[seq] = len(draw)
-        if len(self._sizes) > _RECENT_SIZES:
-            del self._sizes[next(iter(self._sizes))]
+        if seq == self._sizes_from + len(self._sizes):
+            self._sizes.append(len(draw))
         return draw
 
-    def _size_of(self, draw_id: DrawId) -> int:
-        """How many examples draw ``draw_id`` holds (drawn again if it is not recent)."""
-        size = self._sizes.get(draw_id.seq)
-        if size is None:
-            size = len(self._batch(oprandom.fold_in(self._key, draw_id.epoch), draw_id.step))
-        return size
+    def _size_of(self, draw_id: DrawId) -> int | None:
+        """How many examples draw ``draw_id`` holds, or ``None`` for a draw handed out before
+        the last :meth:`load_state_dict`. (Never drawn again: some schemes' batches depend on
+        the sampler's state.)"""
+        i = draw_id.seq - self._sizes_from
+        return self._sizes[i] if 0 <= i < len(self._sizes) else None
 
     def _seq_at(self, epoch: int, step: int) -> int | None:
         """The draw number position ``(epoch, step)`` was handed out as, or ``None``."""
@@ -436,6 +438,7 @@ class PoissonSampler(Sampler[list[int]]):
         self._position = None
         self._handed_out = handed_out
         self._history = [list(run) for run in history]
+        self._sizes, self._sizes_from = array.array("q"), handed_out
 
     def __repr__(self) -> str:
         return (
