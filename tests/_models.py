@@ -83,6 +83,21 @@ def seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
 
 
+def huge_partner_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, v)``, each ``(2, 3, 1)``, for ``(Linear(1, 1, bias=False)(x) * v).sum()`` at
+    C = 2^-100: example 0 has output gradients ``[v1, s, -2 s]`` against inputs
+    ``[x1, 2^55, 2^54]`` (a review's construction: the last two positions cancel in G but set
+    the clip factor through the mass, and the book-keeping sum's subnormal rounding of
+    ``f s`` met its huge partners: 31.9 C), example 1 is ordinary."""
+    s = 2.0**-40 * (1 + 47 / 48)
+    x, v = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
+    v[0, :, 0] = torch.tensor([2.0**12, s, -2 * s])
+    x[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
+    g = seeded(0)
+    x[1], v[1] = torch.randn(3, 1, generator=g), torch.randn(3, 1, generator=g)
+    return x, v
+
+
 def _build(seed: int, fn: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.random.default_generator.manual_seed(int(seed))

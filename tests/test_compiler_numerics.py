@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _models import MathTransformer
+from _models import MathTransformer, huge_partner_batch
 from opake_compile import DPOptimizer, PoissonSampler, compile_dp
 from opake_compile.optim import accumulate
 from opake_compile import random as oprandom
@@ -571,12 +571,7 @@ def test_small_scaled_entries_next_to_huge_partners_stay_within_c(path, bookkeep
         model = nn.Linear(1, 1, bias=False)
     step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=c, physical_batch_size=2,
                       backend="aot_eager", rewrites=[GhostClipping(force={"weight": path}, bookkeeping=bookkeeping)])
-    s_ = 2.0**-40 * (1 + 47 / 48)
-    x, v = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
-    v[0, :, 0] = torch.tensor([2.0**12, s_, -2 * s_])
-    x[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
-    g = _gen(0)
-    x[1], v[1] = torch.randn(3, 1, generator=g), torch.randn(3, 1, generator=g)
+    x, v = huge_partner_batch()
     moved = float((step(x, v).clipped.grads["weight"].double() - step(x[1:], v[1:]).clipped.grads["weight"].double()).norm())
     assert moved / c <= 1.0
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from _models import huge_partner_batch
 from opake_compile import compile_dp
 from opake_compile.compiler.passes import _kernels
 from opake_compile.compiler.passes.numerics import ieee_float32_matmul
@@ -143,13 +144,7 @@ def test_small_scaled_entries_next_to_huge_partners_stay_within_c(path, bookkeep
         torch.manual_seed(1)
         model = nn.Linear(1, 1, bias=False)
     step = _step(lambda m, x, v: (m(x) * v).sum(), model, c, path, bookkeeping, 2)
-    s_ = 2.0**-40 * (1 + 47 / 48)
-    x, v = torch.zeros(2, 3, 1), torch.zeros(2, 3, 1)
-    v[0, :, 0] = torch.tensor([2.0**12, s_, -2 * s_])
-    x[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
-    g = torch.Generator().manual_seed(0)
-    x[1], v[1] = torch.randn(3, 1, generator=g), torch.randn(3, 1, generator=g)
-    x, v = x.to(DEVICE), v.to(DEVICE)
+    x, v = (t.to(DEVICE) for t in huge_partner_batch())
     assert _moved(step(x, v).clipped.grads, step(x[1:], v[1:]).clipped.grads) / c <= 1.0
 
 

@@ -341,6 +341,13 @@ def test_parts_holding_more_examples_than_their_draw_are_refused():
 # clipped sum stepped on twice (a retry, or a step without draw= after one with it), a position
 # handed out again by batch_at, two optimizers on one draw. Two releases on one sample cost
 # poisson(g | g, q) (3.50 at sigma = 1, q = 0.1, delta = 1e-5), not two steps (1.92).
+def _setup():
+    """Parameters, a sampler of 50 examples at q = 0.3, its optimizer and the data."""
+    params = _params()
+    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
+    return (params, sampler, _optimizer(params, sampler), *_data(50))
+
+
 def _state(params, opt):
     return {k: v.detach().clone() for k, v in params.items()}, opt.steps, opt.state_dict()["key"]
 
@@ -350,10 +357,7 @@ def _same(a, b):
 
 
 def test_a_released_sum_is_refused_a_second_time():
-    params = _params()
-    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
-    opt = _optimizer(params, sampler)
-    x, y = _data(50)
+    params, sampler, opt, x, y = _setup()
     idx = next(iter(sampler))
     clipped = _clipped_sum(params, x[list(idx)], y[list(idx)])
     opt.step(clipped, draw=idx)
@@ -366,10 +370,7 @@ def test_a_released_sum_is_refused_a_second_time():
 
 
 def test_parts_of_a_released_sum_cannot_be_released_again():
-    params = _params()
-    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
-    opt = _optimizer(params, sampler)
-    x, y = _data(50)
+    params, sampler, opt, x, y = _setup()
     idx = next(iter(sampler))
     half = len(idx) // 2
     p1 = _clipped_sum(params, x[list(idx[:half])], y[list(idx[:half])])
@@ -410,10 +411,7 @@ def test_a_retry_after_the_wrapped_step_raised_is_refused():
 
 
 def test_a_step_naming_no_draw_with_none_pending_is_refused():
-    params = _params()
-    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
-    opt = _optimizer(params, sampler)
-    x, y = _data(50)
+    params, sampler, opt, x, y = _setup()
     idx = next(iter(sampler))
     opt.step(_clipped_sum(params, x[list(idx)], y[list(idx)]))  # the one pending draw
     before = _state(params, opt)
@@ -423,10 +421,7 @@ def test_a_step_naming_no_draw_with_none_pending_is_refused():
 
 
 def test_a_position_handed_out_again_is_the_same_draw():
-    params = _params()
-    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
-    opt = _optimizer(params, sampler)
-    x, y = _data(50)
+    params, sampler, opt, x, y = _setup()
     d1, d2 = sampler.batch_at(0, 0), sampler.batch_at(0, 0)
     assert d1 == d2 and d1.id == d2.id and sampler.draws_handed_out == 1
     opt.step(_clipped_sum(params, x[list(d1)], y[list(d1)]), draw=d1)
@@ -457,10 +452,7 @@ def test_a_sampler_never_iterated_refuses_steps():
     # Fixed or shuffled batches stepped on with a sampler that drew none were charged as Poisson
     # draws at rate q: a newcomer's three passes of fixed batches reported epsilon 4.18 where
     # gaussian(1) composed 3 times is 8.39.
-    params = _params()
-    sampler = PoissonSampler(50, 0.3, key=opake.random.key(3))
-    opt = _optimizer(params, sampler)
-    x, y = _data(50)
+    params, sampler, opt, x, y = _setup()
     with pytest.raises(ConfigurationError, match="never iterated"):
         opt.step(_clipped_sum(params, x[:15], y[:15]))
     assert opt.steps == 0 and params["w"].grad is None
