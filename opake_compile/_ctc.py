@@ -22,8 +22,6 @@ here. Two implementations of the same values:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 __all__ = ["ctc_loss"]
@@ -35,30 +33,15 @@ __all__ = ["ctc_loss"]
 _LOG_ZERO = -1e30
 
 
-def _range_test(what: str, low: int, high: int) -> Callable[[torch.Tensor, int], str | None]:
-    def test(rows: torch.Tensor, first_row: int) -> str | None:
-        if rows.numel() == 0:
-            return None
-        flat = rows.reshape(rows.shape[0], -1)
-        out = ((flat < low) | (flat > high)).any(dim=1)
-        if not bool(out.any()):
-            return None
-        row = int(torch.argmax(out.to(torch.int8)))
-        values = flat[row][(flat[row] < low) | (flat[row] > high)]
-        return f"CTC loss: {what} {int(values[0])} in example {first_row + row} of the batch is outside [{low}, {high}]."
-
-    return test
-
-
 def _require_valid(targets: torch.Tensor, in_len: torch.Tensor, tgt_len: torch.Tensor, n_frames: int, classes: int) -> None:
     """While ``compile_dp`` traces, ask the step to check what the eager kernel checks (lengths)
     or fails on (class indices) on the real rows before it runs (see
     :mod:`opake_compile.compiler._input_checks`); nothing otherwise."""
-    from opake_compile.compiler._input_checks import require
+    from opake_compile.compiler._input_checks import range_test, require
 
-    require(targets, _range_test("target class", 0, classes - 1), "CTC targets in [0, C)")
-    require(in_len, _range_test("input length", 0, n_frames), "CTC input lengths in [0, T]")
-    require(tgt_len, _range_test("target length", 0, targets.shape[-1]), "CTC target lengths in [0, S]")
+    require(targets, range_test("CTC loss: target class", 0, classes - 1), "CTC targets in [0, C)")
+    require(in_len, range_test("CTC loss: input length", 0, n_frames), "CTC input lengths in [0, T]")
+    require(tgt_len, range_test("CTC loss: target length", 0, targets.shape[-1]), "CTC target lengths in [0, S]")
 
 
 def _kernel_applies(log_probs: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from opake_compile import accounting as _acc
 from opake_compile import random as _random
+from opake_compile._validate import check_optimizer_state
 from opake_compile.compiler.step import DPStep
 from opake_compile.dpsgd.clipping import ClipState
 from opake_compile.exceptions import CheckpointError, InputTypeError, OpakeError
@@ -50,26 +51,14 @@ def _optimizer_to_state(opt: torch.optim.Optimizer) -> dict[str, Any]:
     return opt.state_dict()
 
 
-def _check_optimizer_state(opt: torch.optim.Optimizer, state: Mapping[str, Any], where: str = "") -> None:
-    """The moments are free data (a fresh optimizer has none): check they index parameters."""
-    n = sum(len(g["params"]) for g in opt.param_groups)
-    for k in state.get("state", {}):
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-            raise CheckpointError(f"{where}state.{k}: the optimizer has {n} parameter(s); no parameter {k!r}.")
-
-
-def _optimizer_from_state(opt: torch.optim.Optimizer, state: Any) -> None:
-    _check_optimizer_state(opt, state)
-    _load(opt, state)
-
-
 register_serializer(
     torch.optim.Optimizer,
     name="torch.optim.Optimizer",
     to_state=_optimizer_to_state,
-    from_state=_optimizer_from_state,
+    from_state=_load,
     free=(("state",),),
     in_place=True,
+    check=check_optimizer_state,
 )
 
 register_serializer(
@@ -115,8 +104,13 @@ def _dp_optimizer_to_state(opt: DPOptimizer) -> dict[str, Any]:
 
 
 def _dp_optimizer_from_state(opt: DPOptimizer, state: Mapping[str, Any]) -> None:
-    _check_optimizer_state(opt.optimizer, state["optimizer"], "optimizer.")
     _load(opt, {k: v for k, v in state.items() if k != "accountant"})
+
+
+def _dp_optimizer_check(opt: DPOptimizer, state: Mapping[str, Any]) -> None:
+    # (A subclass with its own load_state_dict reads its own state format: not checked ahead.)
+    if type(opt).load_state_dict is DPOptimizer.load_state_dict:
+        opt._validated_state({k: v for k, v in state.items() if k != "accountant"})
 
 
 register_serializer(
@@ -129,6 +123,7 @@ register_serializer(
     # data); the wrapped optimizer's moments do not exist yet in a fresh template.
     free=(("optimizer", "state"), ("runs",), ("noise_state", "buffers"), ("noise_state", "replay_keys")),
     in_place=True,
+    check=_dp_optimizer_check,
 )
 
 register_serializer(

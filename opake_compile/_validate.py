@@ -12,7 +12,7 @@ import optree
 import torch
 
 from opake_compile._markers import reject_dp_output
-from opake_compile.exceptions import ConfigurationError, InputTypeError
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 
 __all__ = [
     "NotPrivateWarning",
@@ -22,6 +22,7 @@ __all__ = [
     "check_positive_int",
     "check_nonnegative_int",
     "check_batch_size",
+    "check_optimizer_state",
 ]
 
 
@@ -128,7 +129,9 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
     Raises:
         ConfigurationError: a position out of range, a 0-d tensor (no batch dimension), no
             batched argument, or batched arguments that disagree on B (the message lists them).
-        InputTypeError: a batched argument holds no tensor, or is a DP output wrapper.
+        InputTypeError: a batched argument holds no tensor, is a DP output wrapper, or holds
+            what looks like per-example values that are not tensors (an array, or a list/tuple
+            of B non-tensor values): they would be one constant shared by every example.
     """
     # Fast path, the common call: every batched argument a plain tensor of one batch size
     # (anything else, including every error, takes the general path below).
@@ -159,4 +162,68 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
     if len(sizes) > 1:
         detail = ", ".join(f"size {s} in argument(s) {sorted(v)}" for s, v in sorted(sizes.items()))
         raise ConfigurationError(f"Batched arguments disagree on the batch size: {detail}.")
-    return next(iter(sizes))
+    size = next(iter(sizes))
+    for i in batch_argnums:
+        _reject_per_example_constants(args[i], size, f"argument {i}")
+    return size
+
+
+def _reject_per_example_constants(value: Any, size: int, where: str) -> None:
+    """Refuse what a batched argument holds beside its tensors that looks per example: an array
+    (NumPy or any ``__array__``) or a list/tuple of ``size`` non-tensor values. Only tensor leaves
+    are split into examples; anything else is one constant shared by every example, so each
+    example's gradient would depend on the other examples' values (one example's removal could
+    move the clipped sum by more than C)."""
+    if isinstance(value, (str, bytes, torch.Tensor)) or value is None:
+        return
+    if hasattr(value, "__array__") and getattr(value, "ndim", 1) != 0:
+        raise InputTypeError(
+            f"Batched {where} holds a {type(value).__name__}: only tensor leaves are split into "
+            "examples, so it would be one constant seen by every example (per-example values of "
+            "one example would reach the others' gradients). Pass it as a tensor (torch.as_tensor), "
+            "or as an argument outside batch_argnums if it is not per example."
+        )
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _reject_per_example_constants(v, size, f"{where}[{k!r}]")
+    elif isinstance(value, (list, tuple)):
+        if len(value) == size and not any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(value, none_is_leaf=True)):
+            raise InputTypeError(
+                f"Batched {where} is a {type(value).__name__} of {size} non-tensor values, one per "
+                "example by its length: only tensor leaves are split into examples, so every example "
+                "would see all of them (one example's values would reach the others' gradients). "
+                "Pass them as a tensor (torch.as_tensor), or as an argument outside batch_argnums if "
+                "they are not per example."
+            )
+        for j, v in enumerate(value):
+            _reject_per_example_constants(v, size, f"{where}[{j}]")
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, where: str = "") -> None:
+    """Check a ``torch.optim`` state dict against ``optimizer`` before it is loaded: every
+    per-parameter entry indexes a parameter, and its tensors (momenta, second moments) have
+    that parameter's shape, parameters matched in order as ``Optimizer.load_state_dict``
+    matches them. torch accepts another model's moments of the same count, and the next step
+    then fails half-way (some parameters updated; under DP the noise released and charged).
+
+    Raises:
+        CheckpointError: the message starts with ``where`` and the offending entry.
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("state", {}), dict):
+        raise CheckpointError(f"{where}: not a torch.optim state_dict ({type(saved).__name__}).")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = saved.get("param_groups")
+    ids = [i for g in groups for i in g.get("params", ())] if isinstance(groups, list) else list(range(len(params)))
+    if len(ids) != len(params):
+        raise CheckpointError(f"{where}param_groups: {len(ids)} parameter(s) in the checkpoint, {len(params)} in the optimizer.")
+    position = {i: j for j, i in enumerate(ids)}
+    for k, entry in saved.get("state", {}).items():
+        if isinstance(k, bool) or k not in position:
+            raise CheckpointError(f"{where}state.{k}: the optimizer has {len(params)} parameter(s); no parameter {k!r}.")
+        p = params[position[k]]
+        for name, value in (entry or {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != tuple(p.shape):
+                raise CheckpointError(
+                    f"{where}state.{k}.{name}: shape {tuple(value.shape)}, but parameter {position[k]} of the "
+                    f"optimizer has shape {tuple(p.shape)} (a checkpoint of another model?)."
+                )

@@ -33,7 +33,7 @@ import torch
 
 from opake_compile import accounting as _acc
 from opake_compile import random as _random
-from opake_compile._validate import NotPrivateWarning, check_noise_multiplier
+from opake_compile._validate import NotPrivateWarning, check_noise_multiplier, check_optimizer_state
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.dpsgd.noise import add_gaussian_noise
@@ -165,6 +165,26 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
+def _check_no_closure(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (``LBFGS``): it re-evaluates the loss
+    on the batch, non-privately, and ``DPOptimizer.step`` cannot pass one. Known at
+    construction; otherwise every step would be charged and then fail."""
+    import inspect
+
+    try:
+        params = inspect.signature(optimizer.step).parameters.values()
+    except (TypeError, ValueError):
+        return
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if required:
+        raise ConfigurationError(
+            f"{type(optimizer).__name__}.step needs {', '.join(required)}: an optimizer that re-evaluates "
+            "the loss (a closure) would compute non-private gradients of the batch. Use a first-order "
+            "torch.optim optimizer (SGD, Adam, AdamW, ...)."
+        )
+
+
 class DPOptimizer:
     """Wraps a ``torch.optim`` optimizer into a DP-SGD / DP-Adam / DP-anything step.
 
@@ -228,6 +248,7 @@ class DPOptimizer:
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InputTypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        _check_no_closure(optimizer)
         self.optimizer = optimizer
         self._noise_fn = self._noise_state = self._plan = None
         self._mf_allowed: int | None = None
@@ -437,7 +458,7 @@ class DPOptimizer:
                 ``clipped.releases`` that cannot be accounted for; a sum (or part) released
                 before (a retry after the wrapped step raised included: ``.grad`` was written);
                 no draw named while the sampler has none pending (never iterated included); more
-                examples than the named draw holds; another ``DPOptimizer`` charging this
+                examples than the draw charged (named, or the one pending) holds; another ``DPOptimizer`` charging this
                 sampler; in a process group, a sampler that is not a
                 ``DistributedPoissonSampler`` of its size, or ranks holding different keys.
 
@@ -484,31 +505,17 @@ class DPOptimizer:
             from opake_compile.distributed import check_same_key
 
             check_same_key(self._key)  # different keys: each rank's replica a separate noisy release
-        from opake_compile.sampling import Draw, draw_of
-
-        named = draw_of(draw) if draw is not None else clipped.draw
-        if isinstance(draw, Draw):
-            size = len(draw)
-        elif named is not None and named.source == getattr(self.sampler, "_id", None) and hasattr(self.sampler, "_size_of"):
-            size = self.sampler._size_of(named)
-        else:
-            size = None
-        if size is not None and clipped.num_ranks == 1 and clipped.num_examples > size:
-            # (Summed over ranks, the count is global and a rank's draw local: no bound here.)
-            # Parts of one draw hold disjoint examples: more examples than the draw has means an
-            # example was summed twice (the same batch's parts passed again) or several draws
-            # were summed, so one example could move the sum by more than C while one step is
-            # charged.
-            raise ConfigurationError(
-                f"The clipped sum holds {clipped.num_examples} examples but draw {named.seq} has only "
-                f"{size}: a part was passed more than once, or parts of several draws were summed. "
-                "Pass each physical batch of the draw once, one step per draw."
-            )
         c = clipped.clipping_norm
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):  # NaN included
+            raise ConfigurationError(
+                f"The ClippedPytree's clipping_norm={c!r} is not a positive number: the noise is "
+                "scaled by it, so it must be the C the sum was clipped with."
+            )
         if math.isinf(c) and self.noise_multiplier > 0:
             raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")
         targets = self._match_parameters(clipped)
         charge, draws_charged = self._charge(clipped, draw)
+        self._check_draw_size(clipped, draw, draws_charged)
         if self._plan is not None:
             self._mf_step(clipped, targets, charge, draws_charged, draw)
             return
@@ -528,6 +535,36 @@ class DPOptimizer:
             self._released(clipped)
 
         self._write_and_step(noised, targets, commit)
+
+    def _check_draw_size(self, clipped: ClippedPytree, draw: Any, draws_charged: int) -> None:
+        """Refuse a sum of more examples than the draw this step is charged for holds.
+
+        That draw is the one named, or else the one draw pending (sequence number
+        ``draws_charged - 1`` either way). Parts of one draw hold disjoint examples, so more
+        examples than the draw has means an example was summed twice (a part passed again),
+        several draws were summed, or the rows were not the sampler's (a fixed batch stepped on
+        beside a pending Poisson draw): one example could then move the sum by more than C, or
+        the batch was not sampled at rate q, while one Poisson step is charged.
+        """
+        if clipped.num_ranks != 1:
+            return  # summed over ranks, the count is global and a rank's draw local: no bound here
+        from opake_compile.sampling import Draw
+
+        if isinstance(draw, Draw):
+            size, seq = len(draw), draw.id.seq
+        else:
+            size_of = getattr(self.sampler, "_size_of", None)
+            if size_of is None or getattr(self.sampler, "draws_handed_out", None) is None:
+                return
+            seq = draws_charged - 1
+            size = size_of(seq)
+        if size is not None and clipped.num_examples > size:
+            raise ConfigurationError(
+                f"The clipped sum holds {clipped.num_examples} examples but draw {seq}, the one this "
+                f"step is charged for, has only {size}: a part was passed more than once, parts of "
+                "several draws were summed, or the rows were not the ones the sampler drew. Pass "
+                "each physical batch of the draw once, one step per draw."
+            )
 
     def _mf_step(
         self, clipped: ClippedPytree, targets: dict[str, torch.Tensor], charge: int, draws_charged: int, draw: Any
@@ -744,6 +781,22 @@ class DPOptimizer:
                 (noise multiplier, sample rate, dataset size, truncation), or fewer steps than
                 this optimizer has already charged (a rewind).
         """
+        key, steps, runs, noise_state = self._validated_state(state)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, TypeError, ValueError) as err:  # torch's own checks (group sizes), before it writes
+            raise CheckpointError(f"The wrapped optimizer's state does not fit it: {err}") from err
+        if noise_state is not None:
+            self._noise_state = noise_state
+        self._key = key
+        self._steps = steps
+        self._runs = runs
+        self._draws_charged = int(state.get("draws_charged", 0))
+
+    def _validated_state(self, state: Any) -> tuple[Any, int, tuple[tuple[Any, int], ...], Any]:
+        """Every check of :meth:`load_state_dict`, changing nothing: ``(key, steps, runs,
+        noise_state)`` to assign. (The checkpoint loader runs it on every object before it
+        loads any, so that a refused optimizer leaves the model unrestored too.)"""
         required = {"version", "optimizer", "key", "steps", "noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size"}
         if not isinstance(state, dict) or not required <= set(state):
             missing = sorted(required - set(state)) if isinstance(state, dict) else sorted(required)
@@ -787,13 +840,8 @@ class DPOptimizer:
             noise_state = _mf_state_from_dict(state["noise_state"], self._noise_state)
             if noise_state.step != steps:
                 raise CheckpointError(f"DPOptimizer state: noise step {noise_state.step} != steps={steps}.")
-        self.optimizer.load_state_dict(state["optimizer"])
-        if noise_state is not None:
-            self._noise_state = noise_state
-        self._key = key
-        self._steps = steps
-        self._runs = runs
-        self._draws_charged = int(state.get("draws_charged", 0))
+        check_optimizer_state(self.optimizer, state["optimizer"], "optimizer.")
+        return key, steps, runs, noise_state
 
 
 def _mf_state_to_dict(state: Any) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The compiler traces ``vmap(grad(per-example loss))`` into one static graph. Library model code
 sometimes looks at tensor values in Python, or draws random numbers on the host, which a
-static per-example graph cannot do. Five patterns are handled while
+static per-example graph cannot do. Seven patterns are handled while
 :func:`~opake_compile.compile_dp` traces, and only then (every change is undone when tracing
 returns or raises):
 
@@ -75,6 +75,26 @@ returns or raises):
    of every chunk before anything runs (:mod:`opake_compile.compiler._input_checks`): a label
    ``>= config.vocab_size`` is refused with a ``ConfigurationError`` naming the model, the
    value and the vocabulary size, and nothing changes.
+
+6. **Index ranges.** An eager ``embedding`` or ``cross_entropy`` refuses an index outside its
+   table or class range; a compiled kernel may not (on a GPU it is a device-side assert that
+   ends the process, on a CPU an error from inside the step). While tracing, the indices of
+   ``F.embedding``, ``F.embedding_bag``, ``F.cross_entropy`` and ``F.nll_loss`` (class-index
+   targets), ``gather`` and ``index_select`` that are computed from the batch arguments alone
+   are registered as input checks
+   (:mod:`opake_compile.compiler._input_checks`): a token id outside ``[0, num_embeddings)``
+   or a target outside ``[0, C)`` (other than ``ignore_index``) is refused with a
+   ``ConfigurationError`` naming the function, the value and the example, before the step
+   runs. Indices the model computes (a codebook's ``argmin``) are in range by construction and
+   are not checked.
+
+7. **Sequence-first layouts.** ``compile_dp`` takes the batch along dim 0 of every batched
+   argument. A ``batch_first=False`` recurrent layer or ``nn.MultiheadAttention`` (and the
+   ``nn.Transformer*`` layers built on it) fed a ``(T, B, F)`` batch as it is would treat each
+   time step as an example holding every sequence: no sequence's influence would be bounded by
+   C. While tracing, such a layer that sees more than one sequence in one example's forward
+   (dim 1 of its 3-d input larger than 1) is refused by name; a loss that transposes a
+   ``(B, T, F)`` batch for it (one sequence per example) traces as before.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -635,6 +655,110 @@ class _TraceableCTC(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# ----------------------------------------------------------------------------- sequence-first layers
+@contextlib.contextmanager
+def _one_sequence_per_example(model: nn.Module) -> Iterator[None]:
+    """Forward pre-hooks on the ``batch_first=False`` sequence layers of ``model`` refusing a
+    per-example input that holds several sequences (see the module docstring, item 7)."""
+    handles = []
+
+    def check(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] != 1:
+            raise UnsupportedOperationError(
+                f"{type(mod).__name__} (batch_first=False) sees {x.shape[1]} sequences in one example's "
+                f"forward: its input {tuple(x.shape)} is read as (T, B, F), but compile_dp takes the "
+                "batch along dim 0 of every argument, so each 'example' would hold every sequence and "
+                "no sequence's influence would be bounded by the clipping norm. Pass batches as "
+                "(B, T, F) and build the layer with batch_first=True (or transpose inside the loss)."
+            )
+
+    try:
+        for mod in model.modules():
+            if isinstance(mod, (nn.RNNBase, nn.MultiheadAttention)) and not getattr(mod, "batch_first", True):
+                handles.append(mod.register_forward_pre_hook(check, with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ----------------------------------------------------------------------------- index ranges
+class _IndexRanges(TorchFunctionMode):
+    """Registers the index ranges of embedding lookups and class-index losses as input checks
+    of the compiled step while tracing (see the module docstring, item 6)."""
+
+    _SIGNATURES: dict[Any, inspect.Signature] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func in _INDEXED:
+            sig = self._SIGNATURES.get(func)
+            if sig is None:
+                gather = _INDEXED[func] is _gather_indices
+                sig = self._SIGNATURES[func] = _GATHER_SIGNATURE if gather else inspect.signature(func)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                bound = None  # the call itself is malformed: torch raises its own error below
+            if bound is not None:
+                _INDEXED[func](func.__name__, bound.arguments, sig)
+        return func(*args, **kwargs)
+
+
+def _arg(arguments: dict[str, Any], sig: inspect.Signature, name: str) -> Any:
+    return arguments[name] if name in arguments else sig.parameters[name].default
+
+
+def _check_indices(value: Any, what: str, size: int, *, ignore: int | None = None, hint: str = "") -> None:
+    from opake_compile.compiler._input_checks import range_test, require
+
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool:
+        require(value, range_test(what, 0, size - 1, ignore=ignore, hint=hint), f"{what} in [0, {size})", quiet=True)
+
+
+def _embedding_indices(name: str, arguments: dict[str, Any], sig: inspect.Signature) -> None:
+    weight = _arg(arguments, sig, "weight")
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        rows = int(weight.shape[0])
+        _check_indices(_arg(arguments, sig, "input"), f"{name}: index", rows, hint=f" (the table has {rows} rows)")
+
+
+def _class_targets(name: str, arguments: dict[str, Any], sig: inspect.Signature) -> None:
+    logits, target = _arg(arguments, sig, "input"), _arg(arguments, sig, "target")
+    if not isinstance(logits, torch.Tensor) or logits.dim() == 0:
+        return
+    classes = int(logits.shape[0] if logits.dim() == 1 else logits.shape[1])
+    ignore = int(_arg(arguments, sig, "ignore_index"))
+    _check_indices(target, f"{name}: target class", classes, ignore=ignore, hint=f" ({classes} classes, ignore_index {ignore})")
+
+
+def _gather_indices(name: str, arguments: dict[str, Any], sig: inspect.Signature) -> None:
+    source, dim, index = (_arg(arguments, sig, k) for k in ("input", "dim", "index"))
+    if isinstance(source, torch.Tensor) and isinstance(dim, int) and source.dim() > 0:
+        size = int(source.shape[dim])
+        _check_indices(index, f"{name}: index", size, hint=f" (dimension {dim} has {size} entries)")
+
+
+# function -> handler(name, bound arguments, signature): registers the checks of one call
+_INDEXED: dict[Any, Callable[[str, dict[str, Any], inspect.Signature], None]] = {
+    torch.nn.functional.embedding: _embedding_indices,
+    torch.nn.functional.embedding_bag: _embedding_indices,
+    torch.nn.functional.cross_entropy: _class_targets,
+    torch.nn.functional.nll_loss: _class_targets,
+    torch.gather: _gather_indices,
+    torch.Tensor.gather: _gather_indices,
+    torch.index_select: _gather_indices,
+    torch.Tensor.index_select: _gather_indices,
+}
+# Methods and builtins without a signature torch can report: (input, dim, index) positionally.
+_GATHER_SIGNATURE = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("input", "dim", "index")]
+    + [inspect.Parameter("sparse_grad", inspect.Parameter.KEYWORD_ONLY, default=False),
+       inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None)]
+)
+
+
 def _traceable_for_ctc_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -799,6 +923,8 @@ def tracing_patches(model: nn.Module, draws: _BatchDraws | None = None) -> Itera
         stack.enter_context(_ctc_heads(model))
         stack.enter_context(_traceable_loss_mapping())
         stack.enter_context(_TraceableCTC())
+        stack.enter_context(_IndexRanges())
+        stack.enter_context(_one_sequence_per_example(model))
         stack.enter_context(_compiling_flag())
         stack.enter_context(_FunctionalMaskedWrites())
         yield draws

@@ -307,11 +307,11 @@ class PoissonSampler(Sampler[list[int]]):
             self._sizes.append(len(draw))
         return draw
 
-    def _size_of(self, draw_id: DrawId) -> int | None:
-        """How many examples draw ``draw_id`` holds, or ``None`` for a draw handed out before
-        the last :meth:`load_state_dict`. (Never drawn again: some schemes' batches depend on
-        the sampler's state.)"""
-        i = draw_id.seq - self._sizes_from
+    def _size_of(self, seq: int) -> int | None:
+        """How many examples draw number ``seq`` holds, or ``None`` for a draw handed out before
+        the last :meth:`load_state_dict` (or not yet). (Never drawn again: some schemes' batches
+        depend on the sampler's state.)"""
+        i = seq - self._sizes_from
         return self._sizes[i] if 0 <= i < len(self._sizes) else None
 
     def _seq_at(self, epoch: int, step: int) -> int | None:

@@ -109,6 +109,9 @@ class Serializer:
         local: top-level state keys that legitimately differ between processes of one run (a
             sampler's rank, a step's dropout key): :func:`opake_compile.distributed.sync`
             neither compares nor overwrites them.
+        check: ``check(template, state)`` for ``in_place`` serializers: every refusal
+            ``from_state`` could make, changing nothing; run on every object of the tree before
+            any is loaded, so that one refused object leaves the others unrestored too.
     """
 
     type: type
@@ -119,6 +122,7 @@ class Serializer:
     free: tuple[tuple[Any, ...], ...] = ()
     in_place: bool = False
     local: tuple[str, ...] = ()
+    check: Callable[[Any, Any], None] | None = None
 
 
 _REGISTRY: dict[type, Serializer] = {}
@@ -135,6 +139,7 @@ def register_serializer(
     free: tuple[tuple[Any, ...], ...] = (),
     in_place: bool = False,
     local: tuple[str, ...] = (),
+    check: Callable[[Any, Any], None] | None = None,
 ) -> Serializer:
     """Teach :func:`state_dict` / :func:`from_state_dict` a type.
 
@@ -153,6 +158,8 @@ def register_serializer(
         in_place: restore by mutating the template, after the whole tree was validated.
         local: top-level state keys that differ between the processes of one run by design
             (ignored by :func:`opake_compile.distributed.sync`).
+        check: for ``in_place``: ``check(template, state)`` raises what ``from_state`` would
+            refuse, without changing anything; run for every object before any is restored.
 
     Returns:
         The :class:`Serializer` record.
@@ -179,7 +186,7 @@ def register_serializer(
     other = _BY_NAME.get(name)
     if other is not None and other.type is not cls:
         raise ConfigurationError(f"Serializer name {name!r} is already used by {other.type.__qualname__}.")
-    ser = Serializer(cls, name, to_state, from_state, tuple(config), tuple(tuple(f) for f in free), in_place, tuple(local))
+    ser = Serializer(cls, name, to_state, from_state, tuple(config), tuple(tuple(f) for f in free), in_place, tuple(local), check)
     old = _REGISTRY.get(cls)
     if old is not None:
         _BY_NAME.pop(old.name, None)
@@ -485,6 +492,11 @@ class _Decoder:
                     )
         state = self.restore(tmpl_state, data_node, path, ser.free, ())
         if ser.in_place:
+            if ser.check is not None:
+                try:
+                    ser.check(tmpl, state)
+                except CheckpointError as err:
+                    raise CheckpointError(f"{path or '<root>'}: {err}") from err
             self.commits.append(lambda: ser.from_state(tmpl, state))
             return tmpl
         return self._call_from_state(ser, tmpl, state, path)

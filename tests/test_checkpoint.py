@@ -265,3 +265,44 @@ def test_main_job_refuses_resume_without_a_directory():
     assert (config.checkpoint_dir, config.resume, config.checkpoint_every, config.dropout, config.lr_schedule) == ("d", True, 3, 0.2, "cosine")
     with pytest.raises(ConfigurationError, match="checkpoint_every"):
         td._check_config(td.parse_args(["--checkpoint-every", "0"]))
+
+
+def test_a_refused_restore_leaves_every_object_as_it_was(tmp_path):
+    """The optimizer's own refusal (it charged more steps than the checkpoint) used to come
+    after the model had been loaded: the model held the checkpoint's weights and the optimizer
+    its own. Every object's checks now run before any object is loaded."""
+    ckpt = C.Checkpointer(tmp_path)
+    saved = _objects()
+    _advance(saved, 2)
+    ckpt.save(2, **saved)
+    target = _objects(seed=5)
+    _advance(target, 3)
+    before = _state(target)
+    with pytest.raises(CheckpointError, match="charged 3 step"):
+        ckpt.restore(**target)
+    assert _equal(_state(target), before)
+
+
+def test_another_models_optimizer_state_is_refused_at_load(tmp_path):
+    """Moments of another model with as many tensors: torch loads them, and the next step then
+    failed half-way, after the noise was released and charged (two of four parameters updated).
+    ``DPOptimizer.load_state_dict`` and ``Checkpointer.restore`` refuse it, naming the entry."""
+
+    def build(classes: int):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, classes))
+        sampler = opake.PoissonSampler(20, 0.25, key=opake.random.key(2))
+        opt = opake.DPOptimizer(torch.optim.Adam(model.parameters()), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(1))
+        return {"model": model, "optimizer": opt, "sampler": sampler}
+
+    a, b = build(3), build(5)
+    _advance(a, 1)
+    before = _state(b)
+    with pytest.raises(CheckpointError, match=r"optimizer\.state\.2\.exp_avg: shape \(3, 6\), but parameter 2 .* \(5, 6\)"):
+        b["optimizer"].load_state_dict(a["optimizer"].state_dict())
+    ckpt = C.Checkpointer(tmp_path)
+    ckpt.save(1, optimizer=a["optimizer"])
+    with pytest.raises(CheckpointError, match=r"exp_avg: shape \(3, 6\)"):
+        ckpt.restore(optimizer=b["optimizer"])
+    assert _equal(_state(b), before) and b["optimizer"].steps == 0

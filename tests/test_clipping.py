@@ -608,3 +608,21 @@ def test_clipped_sum_is_detached_from_the_autograd_graph():
     clipped, _ = grad_fn(params, torch.randn(4, 3), state=state)
     for g in clipped.grads.values():
         assert g.grad_fn is None and not g.requires_grad
+
+
+@pytest.mark.parametrize("c, error", [(float("nan"), ConfigurationError), (-1.0, ConfigurationError), ("1", InputTypeError)])
+def test_a_clipping_state_passed_in_is_checked_like_clipping_norm(c, error):
+    """``state=ClipState(C)`` used to be taken as it came: NaN sums (that DPOptimizer then wrote
+    into every weight) from C = NaN, sign-flipped ones from C = -1."""
+    params = {"w": _t([3.0])}
+    loss = lambda p, x: (p["w"] * x).sum()
+    grad_fn, _ = clipped_grad(loss, batch_argnums=1, clipping_norm=1.0)
+    with pytest.raises(error, match="state.clipping_norm"):
+        grad_fn(params, _t([[1.0]]), state=ClipState(c))
+    adaptive, state = adaptive_clipped_grad(
+        loss, batch_argnums=1, initial_clipping_norm=1.0, expected_batch_size=1.0, key=oprandom.key(0), count_noise_multiplier=1.0
+    )
+    with pytest.raises(error, match="state.clipping_norm"):
+        adaptive(params, _t([[1.0]]), state=state._replace(clipping_norm=c))
+    got, _ = grad_fn(params, _t([[1.0]]), state=ClipState(0.5))
+    torch.testing.assert_close(got.grads["w"], _t([0.5 * S32]))

@@ -300,7 +300,7 @@ def test_out_of_vocabulary_label_is_refused_before_the_step_runs() -> None:
     step = opake.compile_dp(
         _labels_loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=P, key=opake.random.key(3)
     )
-    sampler = opake.PoissonSampler(B, 0.5, key=opake.random.key(4))
+    sampler = opake.PoissonSampler(B, 0.99, key=opake.random.key(4))  # a draw of all B rows (checked below)
     opt = opake.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(5))
     x, mask, labels = _speech_batch()
     vocab = model.config.vocab_size
@@ -321,8 +321,9 @@ def test_out_of_vocabulary_label_is_refused_before_the_step_runs() -> None:
     step.load_state_dict(step_state)
     again = step(x, mask, labels).clipped
     assert all(torch.equal(got.grads[k], again.grads[k]) for k in got.grads)
-    next(iter(sampler))  # the draw the step is charged for (the batch is fixed here)
-    opt.step(got)
+    draw = next(iter(sampler))  # the draw the step is charged for: every row of the batch
+    assert list(draw) == list(range(B))
+    opt.step(got, draw=draw)
     assert opt.steps == 1 and not torch.equal(model.lm_head.weight, params["lm_head.weight"])
     edge = labels.clone()
     edge[4, 0] = vocab - 1  # the largest label in the vocabulary passes

@@ -205,3 +205,34 @@ def test_other_use_of_packed_data_fails_closed():
 def test_packed_gru_under_inductor():
     model = _build(6, kind="gru", bidirectional=False, num_layers=1, batch_first=True)
     _check_against_oracle(model, _batch(5, 3), p=8, backend="inductor")
+
+
+@pytest.mark.parametrize("layer", ["lstm", "mha", "transformer"])
+def test_a_sequence_first_layer_fed_a_time_major_batch_is_refused(layer: str) -> None:
+    """``batch_first=False`` layers take (T, B, F); compile_dp takes the batch along dim 0. Fed a
+    (T, B, F) batch as it is, each time step was an example holding every sequence (removing one
+    sequence moved the clipped sum by 3.6 C with an LSTM). Refused by name when one example's
+    forward holds several sequences; the same layer behind a transpose (one sequence per
+    example) trains."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        core = {
+            "lstm": lambda: nn.LSTM(4, 4),
+            "mha": lambda: nn.MultiheadAttention(4, 2),
+            "transformer": lambda: nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0),
+        }[layer]()
+    run = (lambda x: core(x)[0]) if layer == "lstm" else (lambda x: core(x, x, x, need_weights=False)[0]) if layer == "mha" else core
+    time_major = torch.randn(6, 5, 4, generator=seeded(1))  # (T, B, F)
+
+    def loss(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return run(x).pow(2).mean()
+
+    def transposed(m: nn.Module, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, F)
+        return run(x.transpose(0, 1)).pow(2).mean()
+
+    step = opake.compile_dp(loss, model=core, clipping_norm=1.0, backend="aot_eager")
+    name = {"lstm": "LSTM", "mha": "MultiheadAttention", "transformer": "MultiheadAttention"}[layer]
+    with pytest.raises(UnsupportedOperationError, match=rf"{name} \(batch_first=False\) sees 5 sequences in one example"):
+        step(time_major)
+    good = opake.compile_dp(transposed, model=core, clipping_norm=1.0, backend="aot_eager")
+    assert good(time_major.transpose(0, 1)).clipped.num_examples == 5

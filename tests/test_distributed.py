@@ -396,7 +396,9 @@ def _single_process_dp(batches: list[list[int]]) -> list[dict[str, torch.Tensor]
         step = compile_dp(case.loss_fn, model=case.model, clipping_norm=math.inf, backend=None, physical_batch_size=8)
         opt = DPOptimizer(
             torch.optim.SGD(case.model.parameters(), lr=LR, momentum=MOMENTUM),
-            noise_multiplier=0.0, sampler=_config_sampler(), key=oprandom.key(7),
+            # q = 1 over B examples: every draw holds B rows (the optimizer refuses a sum of more
+            # examples than the draw it charges), and q N = B as in the group's runs.
+            noise_multiplier=0.0, sampler=D.DistributedPoissonSampler(B, 1.0, key=oprandom.key(1)), key=oprandom.key(7),
         )
     out = []
     for idx in batches:

@@ -106,3 +106,37 @@ def test_probability_and_ints():
     for bad in (True, 1.0, "1"):
         with pytest.raises(E.InputTypeError):
             V.check_positive_int(bad, name="n")
+
+
+# ------------------------------------------------------------ per-example values that are not tensors
+def test_per_example_values_that_are_not_tensors_are_refused_in_a_batched_argument():
+    """Only tensor leaves are split into examples. A NumPy array, or a list of B floats, in a
+    batched argument would be one constant seen by every example: with per-example loss weights
+    ``[0.01] * 15 + [500]`` one example moved the compiled step's clipped sum by 15.9 C. Refused
+    naming the leaf; a config value (a short tuple, a string, a 0-d NumPy scalar) is kept."""
+    x = torch.zeros(16, 3)
+    for bad, what in (([0.01] * 15 + [500.0], r"\['w'\] is a list of 16 non-tensor values"),
+                      (np.ones(16), r"\['w'\] holds a ndarray"),
+                      (tuple("abcdefghijklmnop"), r"\['w'\] is a tuple of 16")):
+        with pytest.raises(E.InputTypeError, match=what):
+            V.check_batch_size(({"x": x, "w": bad},), (0,))
+    assert V.check_batch_size(({"x": x, "w": (2, 3), "name": "mlp", "t": np.float32(0.5)},), (0,)) == 16
+    assert V.check_batch_size(({"x": x}, np.ones(16)), (0,)) == 16  # outside batch_argnums: a constant
+
+
+def test_the_compiled_step_refuses_a_per_example_list_before_anything_runs():
+    import torch.nn.functional as F
+
+    import opake_compile as opake
+
+    model = torch.nn.Linear(3, 2)
+    step = opake.compile_dp(
+        lambda m, b: (F.cross_entropy(m(b["x"]), b["y"], reduction="none") * torch.as_tensor(b["w"])).mean(),
+        model=model, clipping_norm=1.0, backend="aot_eager",
+    )
+    batch = {"x": torch.randn(4, 3), "y": torch.tensor([0, 1, 0, 1]), "w": [1.0, 1.0, 1.0, 9.0]}
+    state = step.state_dict()
+    with pytest.raises(E.InputTypeError, match="list of 4 non-tensor values"):
+        step(batch)
+    assert step.state_dict() == state and step.num_traces == 0
+    assert step({**batch, "w": torch.tensor(batch["w"])}).clipped.num_examples == 4

@@ -8,6 +8,7 @@ Gaussian noise (a Kolmogorov-Smirnov test that accepts the right sigma*C and rej
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 
@@ -49,7 +50,9 @@ def _dp(optimizer, sigma=1.0, sampler=None, key=0, **kw):
 def _drawn(opt):
     """``opt`` after its sampler handed out one more draw. These tests build the sums they step
     on directly; a step is charged for a draw the sampler handed out, and one with none pending
-    is refused (it would be a sum of batches the sampler did not draw)."""
+    is refused (it would be a sum of batches the sampler did not draw), as is one summing more
+    examples than that draw holds: tests stepping on fixed batches of n rows use a sampler of
+    n examples at q = 1 (every draw is the whole dataset)."""
     next(iter(opt.sampler))
     return opt
 
@@ -99,7 +102,7 @@ def test_sigma0_cinf_fixed_batches_equal_nonprivate_training(factory, make_opt):
     plain = copy.deepcopy(dp_case.model)
     step = _nonprivate_step(dp_case, p=4)  # B = 6 > P = 4: chunked as well
     with pytest.warns(NotPrivateWarning):
-        opt = DPOptimizer(make_opt(dp_case.model.parameters()), noise_multiplier=0.0, sampler=_sampler(), key=opake.random.key(0))
+        opt = DPOptimizer(make_opt(dp_case.model.parameters()), noise_multiplier=0.0, sampler=_sampler(n=B, q=1.0), key=opake.random.key(0))
     assert opt.expected_batch_size == pytest.approx(B)
     plain_opt = make_opt(plain.parameters())
     data = dp_case.make_batch(N, 3)
@@ -191,7 +194,7 @@ def test_frozen_parameters_and_their_state_never_change(make_opt):
     frozen.requires_grad_(False)
     before = frozen.detach().clone()
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=None)
-    opt = _dp(make_opt(case.model.parameters()), sigma=1.0)
+    opt = _dp(make_opt(case.model.parameters()), sigma=1.0, sampler=_sampler(n=5, q=1.0))
     for t in range(3):
         frozen.grad = torch.ones_like(frozen)  # a stale, non-private gradient
         _drawn(opt).step(step(*case.make_batch(5, t)).clipped)
@@ -356,7 +359,7 @@ def test_constructor_refusals():
 def test_state_dict_round_trip_gives_the_same_next_noise():
     case = mlp_case(seed=7)
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, physical_batch_size=4, backend=None)
-    make = lambda m, key: _dp(torch.optim.Adam(m.parameters(), lr=0.05), sigma=1.0, key=key)
+    make = lambda m, key: _dp(torch.optim.Adam(m.parameters(), lr=0.05), sigma=1.0, key=key, sampler=_sampler(n=4, q=1.0))
     opt = make(case.model, key=3)
     for t in range(2):
         _drawn(opt).step(step(*case.make_batch(4, t)).clipped)
@@ -460,3 +463,24 @@ def test_privacy_configuration_is_read_only():
         with pytest.raises(AttributeError):
             setattr(opt, name, 0.5)
     assert opt.noise_multiplier == 1.0
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
+    """``LBFGS.step(closure)`` re-evaluates the loss non-privately and DPOptimizer cannot pass a
+    closure: every step used to be charged and then fail with torch's TypeError."""
+    param = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigurationError, match="LBFGS.step needs closure"):
+        _dp(torch.optim.LBFGS([param]))
+    assert _dp(torch.optim.Adam([param])).steps == 0
+
+
+@pytest.mark.parametrize("c", [float("nan"), -1.0, 0.0, "1"])
+def test_a_clipped_sum_with_a_clipping_norm_that_is_not_positive_is_refused(c):
+    """The noise is sigma times ``clipped.clipping_norm``: a NaN, zero, negative or non-numeric
+    C (edited in, or from an unchecked clipping state) is refused before anything changes."""
+    param = nn.Parameter(torch.zeros(3))
+    opt = _dp(torch.optim.SGD([param], lr=1.0))
+    clipped = dataclasses.replace(_zero_clipped(param, 1.0), clipping_norm=c)
+    with pytest.raises(ConfigurationError, match="is not a positive number"):
+        _drawn(opt).step(clipped)
+    assert opt.steps == 0 and param.grad is None and torch.equal(param, torch.zeros(3))

@@ -331,8 +331,26 @@ def test_parts_holding_more_examples_than_their_draw_are_refused():
     for named in (idx, idx.id):
         with pytest.raises(ConfigurationError, match="more than once"):
             opt.step([part, again], draw=named)
+    # No draw named, the one pending is the draw charged: the same bound.
+    with pytest.raises(ConfigurationError, match="more than once"):
+        opt.step([part, again])
     assert opt.steps == 0 and params["w"].grad is None
     opt.step([part], draw=idx)
+    assert opt.steps == 1
+
+
+def test_a_fixed_batch_beside_a_pending_draw_is_refused_when_it_is_larger():
+    # Fixed batches stepped on while the sampler's draws go unused are not Poisson sampling at
+    # rate q; without a draw named the optimizer charges the pending draw, so a sum of more
+    # examples than it holds is refused and nothing changes (the draw is then still pending).
+    params, sampler, opt, x, y = _setup()
+    idx = next(iter(sampler))
+    assert 0 < len(idx) < 50
+    before = _state(params, opt)
+    with pytest.raises(ConfigurationError, match=rf"holds 50 examples but draw 0, the one this step is charged for, has only {len(idx)}"):
+        opt.step(_clipped_sum(params, x, y))
+    _same(before, _state(params, opt))
+    opt.step(_clipped_sum(params, x[list(idx)], y[list(idx)]))
     assert opt.steps == 1
 
 

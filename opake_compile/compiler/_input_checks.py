@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["InputCheck", "InputCheckRecorder", "recording", "require"]
+__all__ = ["InputCheck", "InputCheckRecorder", "range_test", "recording", "require"]
 
 # A test on the real rows of the checked tensor (batch dimension first, padding removed):
 # ``test(rows, first_row) -> message or None``; ``first_row`` is the position of ``rows[0]`` in
@@ -44,12 +44,15 @@ class InputCheck:
         what: what is checked (the tracer's warning names it when a check has to be dropped).
     """
 
-    value: fx.GraphModule
+    value: fx.GraphModule | int
     test: Test
     what: str
 
     def run(self, leaves: Sequence[torch.Tensor], rows: int, first_row: int) -> str | None:
-        """The test's message on the first ``rows`` rows of the value, or None when they pass."""
+        """The test's message on the first ``rows`` rows of the value, or None when they pass.
+        (An ``int`` value is the index of a leaf checked as it is: no graph call.)"""
+        if isinstance(self.value, int):
+            return self.test(leaves[self.value][:rows], first_row)
         with torch.no_grad():
             value = self.value(*leaves)
         return self.test(value[:rows], first_row)
@@ -59,19 +62,27 @@ class InputCheckRecorder:
     """Collects :func:`require` calls during one trace (see :func:`recording`)."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[fx.Node, int, Test, str]] = []
+        self._pending: list[tuple[fx.Node, int, Test, str, bool]] = []
         self.dropped: list[str] = []
 
     def build(self, gm: fx.GraphModule, leaf_placeholders: Sequence[fx.Node]) -> tuple[InputCheck, ...]:
         """Turn the recorded nodes of ``gm`` (before dead-code elimination or any pass) into
         checks over ``leaf_placeholders``; a check reaching any other input, or a random op,
-        is dropped."""
+        is dropped (listed in :attr:`dropped` unless it was recorded with ``quiet=True``). The
+        same check on the same node is kept once."""
         allowed = set(leaf_placeholders)
-        checks = []
-        for node, bdim, test, what in self._pending:
+        checks, seen = [], set()
+        for node, bdim, test, what, quiet in self._pending:
+            if (node, bdim, what) in seen:
+                continue
+            seen.add((node, bdim, what))
+            if node in allowed and bdim == 0:
+                checks.append(InputCheck(value=list(leaf_placeholders).index(node), test=test, what=what))
+                continue
             value = _extract(gm, node, bdim, leaf_placeholders, allowed)
             if value is None:
-                self.dropped.append(what)
+                if not quiet:
+                    self.dropped.append(what)
             else:
                 checks.append(InputCheck(value=value, test=test, what=what))
         return tuple(checks)
@@ -91,7 +102,7 @@ def recording() -> Iterator[InputCheckRecorder]:
         _ACTIVE.remove(rec)
 
 
-def require(value: torch.Tensor, test: Test, what: str) -> bool:
+def require(value: torch.Tensor, test: Test, what: str, *, quiet: bool = False) -> bool:
     """Ask the compiled step to run ``test`` on the real rows of ``value`` before it runs.
 
     Args:
@@ -100,7 +111,11 @@ def require(value: torch.Tensor, test: Test, what: str) -> bool:
         test: ``test(rows, first_row) -> message or None`` on the value's real rows
             ``(m, *per_example_shape)``; a message refuses the batch with a
             :class:`~opake_compile.exceptions.ConfigurationError` carrying it.
-        what: a short description of the check.
+        what: a short description of the check (checks with the same ``what`` on the same
+            traced value are run once).
+        quiet: drop the check without a warning when its value cannot be computed from the
+            batch arguments alone (for checks the library adds on its own, such as index
+            ranges: an index computed by the model is in range by construction).
 
     Returns:
         True if the check was recorded; False outside a ``compile_dp`` trace or when ``value``
@@ -124,8 +139,34 @@ def require(value: torch.Tensor, test: Test, what: str) -> bool:
     slot = get_proxy_slot(t, mode.tracer, None)
     if slot is None:
         return False
-    _ACTIVE[-1]._pending.append((slot.proxy.node, bdims[0], test, what))
+    _ACTIVE[-1]._pending.append((slot.proxy.node, bdims[0], test, what, quiet))
     return True
+
+
+def range_test(what: str, low: int, high: int, *, ignore: int | None = None, hint: str = "") -> Test:
+    """A :data:`Test` that every value of the rows is an integer in ``[low, high]`` (or equals
+    ``ignore``). The message names the value and the example: ``"{what} {value} in example
+    {i} of the batch is outside [{low}, {high}]{hint}."``. One ``aminmax`` over the rows when
+    they pass and hold no ``ignore`` value."""
+
+    def test(rows: torch.Tensor, first_row: int) -> str | None:
+        if rows.numel() == 0:
+            return None
+        lo, hi = torch.aminmax(rows)
+        if int(lo) >= low and int(hi) <= high:
+            return None
+        values = rows if ignore is None else rows.masked_fill(rows == ignore, low)
+        if ignore is not None:
+            lo, hi = torch.aminmax(values)
+            if int(lo) >= low and int(hi) <= high:
+                return None
+        flat = values.reshape(values.shape[0], -1)
+        out = (flat < low) | (flat > high)
+        row = int(torch.argmax(out.any(dim=1).to(torch.int8)))
+        bad = int(flat[row][out[row]][0])
+        return f"{what} {bad} in example {first_row + row} of the batch is outside [{low}, {high}]{hint}."
+
+    return test
 
 
 def _extract(

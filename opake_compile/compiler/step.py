@@ -296,7 +296,7 @@ class DPStep:
             self._num_calls += 1
             return self._empty_result(params, trainable)
         base = self._signature(args, batched, trainable, params, modes)
-        undo = self._plan.undo_point()
+        undo, key = self._plan.undo_point(), self._key
         try:
             self._plan.set_anchor(n)
             chunks = self._plan.plan(n)
@@ -304,6 +304,7 @@ class DPStep:
             result = self._run(graphs, chunks, args, batched, n, params, buffers)  # lowers on first use
         except BaseException:
             self._plan.undo(undo)  # a batch that cannot be traced or compiled leaves no size behind
+            self._key = key  # nor spent draws: a step that raised returned nothing
             raise
         self._num_calls += 1
         return result

@@ -46,7 +46,7 @@ from opake_compile.compiler import _input_checks
 from opake_compile.compiler._graph_utils import draws_randomness
 from opake_compile.compiler._rnn import recurrent_ops
 from opake_compile.compiler._sdpa import batched_attention
-from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
+from opake_compile.exceptions import ConfigurationError, InputTypeError, UnsupportedOperationError
 
 __all__ = ["InputLayout", "TracedGraph", "check_model_supported", "relax_stride_assumptions", "trace_per_example_grads"]
 
@@ -231,6 +231,45 @@ def _split_args(
     return leaves, treedef, kinds, paths
 
 
+# Products whose eager kernels refuse operands of different dtypes; their fake (tracing) kernels
+# under vmap do not always check, so such a graph would fail (or, compiled, misread) at run time.
+_SAME_DTYPE_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("mm", "addmm", "bmm", "baddbmm", "mv", "dot", "convolution")
+)
+
+
+def _check_operand_dtypes(
+    gm: fx.GraphModule, named: dict[str, torch.Tensor], leaves: Sequence[Any], kinds: Sequence[str]
+) -> None:
+    """Refuse a traced product whose floating-point operands differ in dtype (a float64 batch
+    into a float32 model), naming the op, the dtypes and the batch arguments that differ from
+    the parameters, before anything runs."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SAME_DTYPE_OPS:
+            continue
+        dtypes = {
+            a.meta["val"].dtype
+            for a in node.args
+            if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+        }
+        if len(dtypes) > 1:
+            params = sorted({str(p.dtype) for p in named.values()})
+            odd = sorted({
+                str(l.dtype) for l, k in zip(leaves, kinds)
+                if k != "const" and isinstance(l, torch.Tensor) and l.is_floating_point() and str(l.dtype) not in params
+            })
+            hint = (
+                f" The batch holds {', '.join(odd)} tensors and the model's parameters are {', '.join(params)}: "
+                "cast the batch to the model's dtype (or the model to the batch's)."
+                if odd else ""
+            )
+            raise ConfigurationError(
+                f"loss_fn multiplies tensors of different dtypes ({node.target.name()} on "
+                f"{', '.join(sorted(str(d) for d in dtypes))}), which PyTorch refuses.{hint}"
+            )
+
+
 def trace_per_example_grads(
     model: nn.Module,
     loss_fn: Callable[..., Any],
@@ -258,6 +297,8 @@ def trace_per_example_grads(
     Raises:
         UnsupportedOperationError: tracing failed (data-dependent control flow, an op without
             a fake/vmap implementation, a non-scalar loss, ...). The message says which.
+        ConfigurationError: a product of operands of different dtypes (a float64 batch into
+            a float32 model).
         InputTypeError: no trainable parameter.
     """
     check_model_supported(model)
@@ -346,6 +387,7 @@ def trace_per_example_grads(
             "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
+    _check_operand_dtypes(gm, named, tensor_leaves, tensor_kinds)
     first_leaf = n_tr + n_ot + 2
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_checks = recorder.build(gm, placeholders[first_leaf : first_leaf + len(tensor_leaves)])

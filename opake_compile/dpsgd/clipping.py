@@ -66,6 +66,18 @@ class AdaptiveClipState(NamedTuple):
     key: Any
 
 
+def _checked_state(state: Any) -> Any:
+    """``state`` (a :class:`ClipState` / :class:`AdaptiveClipState` passed by the caller) with
+    its clipping norm checked as ``clipping_norm=`` is at construction (a NaN, negative or
+    non-numeric C would release NaN or sign-flipped sums with the wrong bound)."""
+    if not isinstance(state, (ClipState, AdaptiveClipState)):
+        raise InputTypeError(f"Expected state= a ClipState or AdaptiveClipState, got {type(state).__name__}.")
+    c = state.clipping_norm
+    if not (isinstance(c, (int, float)) and not isinstance(c, bool) and math.isinf(c) and c > 0):
+        c = check_clipping_norm(c, name="state.clipping_norm")  # (inf passes without a second warning)
+    return state._replace(clipping_norm=float(c))
+
+
 def clip_pytree(tree: Any, clipping_norm: Any) -> tuple[Any, torch.Tensor]:
     """Clip a whole tree to global L2 norm ``clipping_norm``.
 
@@ -298,7 +310,7 @@ def clipped_fun(
     batch = _normalise_argnums(batch_argnums, "batch_argnums")
 
     def fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
-        state = ClipState(c) if state is None else state
+        state = ClipState(c) if state is None else _checked_state(state)
         b = check_batch_size(args, batch)
         if b == 0:
             raise ConfigurationError(
@@ -400,7 +412,7 @@ def clipped_grad(
     norm_by = _check_normalize_by(normalize_by)
 
     def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
-        state = ClipState(c) if state is None else state
+        state = ClipState(c) if state is None else _checked_state(state)
         cn = state.clipping_norm
         result = _grad_and_clip(
             loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
@@ -467,6 +479,7 @@ def adaptive_clipped_grad(
         count_release = _acc.gaussian(count_noise_multiplier)
 
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
+        state = _checked_state(state)
         cn = state.clipping_norm
         result = _grad_and_clip(
             loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
@@ -527,7 +540,7 @@ def auto_clipped_grad(
         return optree.tree_map(wsum, grads), norms, kept
 
     def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
-        state = ClipState(r) if state is None else state
+        state = ClipState(r) if state is None else _checked_state(state)
         result = _grad_and_clip(
             loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
             normalise_and_sum, args, r, norm_by,
