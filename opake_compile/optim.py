@@ -171,15 +171,13 @@ def _check_no_closure(optimizer: torch.optim.Optimizer) -> None:
     construction; otherwise every step would be charged and then fail."""
     import inspect
 
-    try:
-        params = inspect.signature(optimizer.step).parameters.values()
+    try:  # the class's method: wrappers (accelerate's) may replace the instance's step
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
     except (TypeError, ValueError):
         return
-    required = [p.name for p in params if p.default is inspect.Parameter.empty
-                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    if required:
+    if closure is not None and closure.default is inspect.Parameter.empty:
         raise ConfigurationError(
-            f"{type(optimizer).__name__}.step needs {', '.join(required)}: an optimizer that re-evaluates "
+            f"{type(optimizer).__name__}.step needs a closure: an optimizer that re-evaluates "
             "the loss (a closure) would compute non-private gradients of the batch. Use a first-order "
             "torch.optim optimizer (SGD, Adam, AdamW, ...)."
         )

@@ -546,3 +546,34 @@ def test_an_unknown_backend_name_is_a_configuration_error():
     case = mlp_case(seed=0)
     with pytest.raises(ConfigurationError, match="aot-eager"):
         compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend="aot-eager")
+
+
+@pytest.mark.parametrize("loss", [
+    lambda m, x, y: F.cross_entropy(m(x), y).detach(),
+    lambda m, x, y: y.float().sum() + 0.0 * x.sum(),
+])
+def test_a_loss_that_does_not_depend_on_the_parameters_is_refused(loss):
+    """Every clipped sum would be zero (training on the noise alone) with no error, where eager
+    autograd refuses a loss without a graph. A model with one unused parameter still trains."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    with pytest.raises(ConfigurationError, match="does not depend on the trainable parameters"):
+        step(x, y)
+    model.unused = nn.Parameter(torch.zeros(2))
+    ok = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend="aot_eager")
+    out = ok(x, y).clipped
+    assert torch.equal(out.grads["unused"], torch.zeros(2)) and bool(out.grads["0.weight"].abs().sum() > 0)
+
+
+def test_a_key_that_is_not_a_key_is_refused_at_construction():
+    model = nn.Linear(3, 2)
+    with pytest.raises(InputTypeError, match="opake_compile.random.Key"):
+        compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, key=3)
+
+
+def test_a_call_with_arguments_the_loss_cannot_take_is_an_input_type_error():
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=nn.Linear(3, 2), clipping_norm=1.0, backend="aot_eager")
+    with pytest.raises(InputTypeError, match=r"called as loss_fn\(model, \*batch\) with 1 batch argument"):
+        step(torch.randn(4, 3))
+    assert step.num_traces == 0

@@ -469,7 +469,7 @@ def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
     """``LBFGS.step(closure)`` re-evaluates the loss non-privately and DPOptimizer cannot pass a
     closure: every step used to be charged and then fail with torch's TypeError."""
     param = nn.Parameter(torch.zeros(3))
-    with pytest.raises(ConfigurationError, match="LBFGS.step needs closure"):
+    with pytest.raises(ConfigurationError, match="LBFGS.step needs a closure"):
         _dp(torch.optim.LBFGS([param]))
     assert _dp(torch.optim.Adam([param])).steps == 0
 

@@ -50,7 +50,8 @@ class InputCheck:
 
     def run(self, leaves: Sequence[torch.Tensor], rows: int, first_row: int) -> str | None:
         """The test's message on the first ``rows`` rows of the value, or None when they pass.
-        (An ``int`` value is the index of a leaf checked as it is: no graph call.)"""
+        (An ``int`` value is the index of a leaf checked as it is, singleton dimensions the
+        value added left out: no graph call.)"""
         if isinstance(self.value, int):
             return self.test(leaves[self.value][:rows], first_row)
         with torch.no_grad():
@@ -76,8 +77,11 @@ class InputCheckRecorder:
             if (node, bdim, what) in seen:
                 continue
             seen.add((node, bdim, what))
-            if node in allowed and bdim == 0:
-                checks.append(InputCheck(value=list(leaf_placeholders).index(node), test=test, what=what))
+            leaf = node
+            while leaf.op == "call_function" and leaf.target is torch.ops.aten.unsqueeze.default and leaf.args[1] != 0:
+                leaf = leaf.args[0]  # (the tracer's batch of one: the leaf's rows with a singleton dim)
+            if leaf in allowed and bdim == 0:
+                checks.append(InputCheck(value=list(leaf_placeholders).index(leaf), test=test, what=what))
                 continue
             value = _extract(gm, node, bdim, leaf_placeholders, allowed)
             if value is None:

@@ -232,7 +232,7 @@ class DPStep:
             fixed = min(fixed, _num.MAX_FLOAT32_SUM_ROWS)
         self._plan = _SizePlan(fixed, check_positive_int(max_physical_sizes, name="max_physical_sizes"))
         self.backend = backend
-        self._key = _random.random_key() if key is None else key
+        self._key = _random.random_key() if key is None else _random._check_key(key)
         self._rewrites = list(rewrites) if rewrites is not None else _default_rewrites()
         self._cache: dict[Any, _Compiled] = {}
         self._constants: dict[Any, torch.Tensor] = {}

@@ -231,6 +231,23 @@ def _split_args(
     return leaves, treedef, kinds, paths
 
 
+def _check_arity(loss_fn: Callable[..., Any], nargs: int) -> None:
+    """Refuse a call whose arguments ``loss_fn(model, *args)`` cannot take, as Python would,
+    before tracing (where the TypeError would read as an untraceable loss)."""
+    import inspect
+
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, *([None] * nargs))
+    except TypeError as err:
+        raise InputTypeError(
+            f"loss_fn{sig} is called as loss_fn(model, *batch) with {nargs} batch argument(s): {err}."
+        ) from None
+
+
 # Products whose eager kernels refuse operands of different dtypes; their fake (tracing) kernels
 # under vmap do not always check, so such a graph would fail (or, compiled, misread) at run time.
 _SAME_DTYPE_OPS = frozenset(
@@ -270,6 +287,34 @@ def _check_operand_dtypes(
             )
 
 
+# Ops whose values do not depend on their tensor inputs' values.
+_SHAPE_ONLY_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full")
+)
+
+
+def _check_depends_on_parameters(gm: fx.GraphModule, names: Sequence[str]) -> None:
+    """Refuse a loss none of whose per-example gradients depends on a trainable parameter or
+    the batch (a ``.detach()``-ed loss, a loss of the labels alone): every clipped sum would be
+    zero and training would follow the noise alone, with no error from autograd as eagerly."""
+    varying = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SHAPE_ONLY_OPS:
+            continue  # zeros_like(p): the gradient of an unused parameter
+        if node.op not in ("placeholder", "output") and any(a in varying for a in node.all_input_nodes):
+            varying.add(node)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    grads = [g for g in out.args[0][1:] if isinstance(g, fx.Node)]
+    if grads and not any(g in varying for g in grads):
+        raise ConfigurationError(
+            f"loss_fn's per-example gradient is the same constant for every input (zero for "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): the loss does not depend on "
+            "the trainable parameters (a .detach() or .item() on the loss, or a loss of the labels "
+            "alone?). Training would follow the noise alone."
+        )
+
+
 def trace_per_example_grads(
     model: nn.Module,
     loss_fn: Callable[..., Any],
@@ -302,6 +347,7 @@ def trace_per_example_grads(
         InputTypeError: no trainable parameter.
     """
     check_model_supported(model)
+    _check_arity(loss_fn, len(args))
     named = dict(model.named_parameters())
     trainable = tuple(n for n, p in named.items() if p.requires_grad)
     if not trainable:
@@ -388,6 +434,7 @@ def trace_per_example_grads(
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
     _check_operand_dtypes(gm, named, tensor_leaves, tensor_kinds)
+    _check_depends_on_parameters(gm, trainable)
     first_leaf = n_tr + n_ot + 2
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_checks = recorder.build(gm, placeholders[first_leaf : first_leaf + len(tensor_leaves)])
