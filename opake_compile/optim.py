@@ -65,6 +65,25 @@ def _was_released(t: Any) -> bool:
     return ref is not None and ref() is t
 
 
+#: The live optimizer that each key object was given to (by identity: keys are values, and two
+#: runs seeded alike are not refused, but one key object or one noise pair reused is a mistake).
+_KEY_OWNERS: dict[int, tuple[Any, weakref.ref]] = {}
+
+
+def _claim_key(key: Any, opt: Any) -> None:
+    """Refuse a key object (or the key of a ``noise=`` pair) that a live ``DPOptimizer`` already
+    draws from: the two would add identical noise, and the difference of their releases would
+    be the difference of the clipped sums, without noise."""
+    held = _KEY_OWNERS.get(id(key))
+    if held is not None and held[0] is key and held[1]() is not None:
+        raise ConfigurationError(
+            "This key (or noise=(fn, state) pair) is already used by another DPOptimizer: both would "
+            "add the same noise, so the difference of their updates would carry no noise. Give each "
+            "optimizer its own key (opake_compile.random.split) or its own mf_gaussian_noise(...)."
+        )
+    _KEY_OWNERS[id(key)] = (key, weakref.ref(opt))
+
+
 def _mark_released(tensors: Any) -> None:
     for t in tensors:
         key = id(t)
@@ -297,18 +316,7 @@ class DPOptimizer:
         if not isinstance(accountant, _acc.Accountant):
             raise InputTypeError(f"Expected an accounting.Accountant or 'pld'/'rdp', got {type(accountant).__name__}.")
         self.accountant = accountant
-        if budget is not None and not isinstance(budget, _acc.PrivacyBudget):
-            raise InputTypeError(
-                f"Expected budget from accounting.epsilon_budget/delta_budget, got {type(budget).__name__}."
-            )
-        delta = getattr(budget, "delta", None)
-        if delta is not None and delta >= 1.0 / self.dataset_size:
-            raise ConfigurationError(
-                f"The budget's delta={delta:g} is at least 1/N = {1.0 / self.dataset_size:.3g} (N = "
-                f"{self.dataset_size}): releasing one random record in full is already (0, 1/N)-DP, so "
-                "such a delta protects nobody. Use delta well below 1/N (e.g. 1/N^1.1 or smaller)."
-            )
-        self.budget = budget
+        self._budget = self._checked_budget(budget)
         self._steps = 0
         self._draws_charged = 0  # draws of the sampler with seq < this are charged
         self._runs: tuple[tuple[Any, int], ...] = ()  # ((step process, count), ...) in order
@@ -321,6 +329,7 @@ class DPOptimizer:
                 dataset_size=self.dataset_size,
                 truncated_batch_size=self.truncated_batch_size,
             )
+        _claim_key(key, self)
 
     # ------------------------------------------------- the privacy configuration
     # Read-only: the noise, the normalisation and the accounting must always use the same
@@ -384,6 +393,31 @@ class DPOptimizer:
         if self.steps == 0:
             return 0.0
         return self.accountant.epsilon(self.process, delta)
+
+    @property
+    def budget(self) -> Any:
+        """The privacy budget steps are refused past (``None``: no limit). Assignable: the
+        new budget is checked as at construction and every later step is held to it."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, budget: Any) -> None:
+        self._budget = self._checked_budget(budget)
+        self._mf_allowed = None  # max_steps() of the correlated noise is recomputed for it
+
+    def _checked_budget(self, budget: Any) -> Any:
+        if budget is not None and not isinstance(budget, _acc.PrivacyBudget):
+            raise InputTypeError(
+                f"Expected budget from accounting.epsilon_budget/delta_budget, got {type(budget).__name__}."
+            )
+        delta = getattr(budget, "delta", None)
+        if delta is not None and delta >= 1.0 / self.dataset_size:
+            raise ConfigurationError(
+                f"The budget's delta={delta:g} is at least 1/N = {1.0 / self.dataset_size:.3g} (N = "
+                f"{self.dataset_size}): releasing one random record in full is already (0, 1/N)-DP, so "
+                "such a delta protects nobody. Use delta well below 1/N (e.g. 1/N^1.1 or smaller)."
+            )
+        return budget
 
     def max_steps(self) -> int | None:
         """How many logical steps the budget allows in total (``None`` without a budget)."""
@@ -816,6 +850,15 @@ class DPOptimizer:
                 )
         key = _random.key_from_state(state["key"])
         steps = int(state["steps"])
+        if self._steps > 0 and steps != self._steps:
+            # This optimizer's own steps were released; a checkpoint of another point would
+            # replace their charge by the checkpoint's. (At the same count the state may be a
+            # process group's rank 0 aligning the others: distributed.sync.)
+            raise CheckpointError(
+                f"This optimizer has charged {self._steps} step(s) of its own and the checkpoint is at "
+                f"step {steps}: loading it would forget the releases it made. Restore into a fresh "
+                "DPOptimizer (a new run), never into one that has stepped since."
+            )
         saved_runs = state.get("runs", [[[], steps]] if steps else [])
         runs: tuple[tuple[Any, int], ...] = ()
         try:

@@ -35,7 +35,7 @@ import dataclasses
 import hashlib
 import numbers
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "split",
     "fold_in",
     "generator_from_key",
+    "device_generators",
     "key_to_state",
     "key_from_state",
     "set_reproducible_pytorch_seed",
@@ -246,6 +247,26 @@ def _generator_seed(k: Key) -> int:
     d = hashlib.blake2b(_TAG_GENERATOR + k._bytes(), digest_size=8).digest()
     # torch.Generator.manual_seed accepts [0, 2**64); all 128 key bits influence the seed.
     return int.from_bytes(d, "little")
+
+
+def device_generators(key: Key) -> Callable[[torch.device], torch.Generator]:
+    """``generator(device)``: one generator per device for one draw spread over several devices.
+
+    The first device asked for is seeded from ``key`` itself (a single-device draw is
+    ``generator_from_key(key, device)``); the i-th other device from ``fold_in(key, i)``, so two
+    devices of one type (``cuda:0``, ``cuda:1``) never draw the same stream: equal noise on two
+    leaves of one release would let their difference cancel it.
+    """
+    _check_key(key)
+    made: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        g = made.get(device)
+        if g is None:
+            g = made[device] = generator_from_key(key if not made else fold_in(key, len(made)), device)
+        return g
+
+    return generator
 
 
 def generator_from_key(key: Key, device: str | torch.device = "cpu") -> torch.Generator:

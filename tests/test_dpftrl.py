@@ -350,8 +350,11 @@ def test_optimizer_sequential_batches_budget_and_checkpoint():
     assert opt.epsilon(1e-5) > k1
     final = param.detach().clone()
 
+    stepped = make()
+    _run(stepped[1], stepped[0], stepped[2], 1)
+    with pytest.raises(CheckpointError, match="charged 1 step"):
+        stepped[1].load_state_dict(state["opt"])  # its own release would be forgotten
     param2, opt2, sampler2 = make()
-    _run(opt2, param2, sampler2, 1)  # a different state, replaced by the load
     with torch.no_grad():
         param2.copy_(state["param"])
     opt2.load_state_dict(state["opt"])
@@ -485,3 +488,84 @@ def test_checkpointer_restores_correlated_noise_mid_epoch(tmp_path):
     assert ck.restore(model=model2, opt=opt2, sampler=sampler2) == 3
     run(model2, opt2, iter(sampler2), 3)
     assert torch.equal(model.weight, model2.weight) and opt2.noise_state.step == 6
+
+
+# ------------------------------------------------------- what a review found (correlated noise)
+def test_the_mechanisms_configuration_cannot_change_after_it_is_accounted():
+    """``fn.noise_multiplier = 0.05`` after the optimizer was built cut the noise 80-fold while
+    the accountant kept charging sigma = 4 (epsilon 0.93 reported where one step spent ~284)."""
+    strategy = dpftrl.band_mf_strategy(10, 3)
+    fn, state = dpftrl.mf_gaussian_noise(strategy, 4.0, opake.random.key(2))
+    for name, value in (("noise_multiplier", 0.05), ("strategy", dpftrl.band_mf_strategy(10, 2))):
+        with pytest.raises(ConfigurationError, match=f"MFGaussianNoise.{name} is fixed"):
+            setattr(fn, name, value)
+    assert fn.noise_multiplier == 4.0 and fn.strategy is strategy
+
+
+def test_one_noise_pair_or_key_object_for_two_optimizers_is_refused():
+    """Two optimizers built from one ``mf_gaussian_noise(...)`` pair (or one key object) add the
+    same noise: the difference of their releases on [1, 0, 0, 0] and [0, 0, 0, 0] was exactly
+    [1, 0, 0, 0]. Refused; an optimizer that is gone frees its key."""
+    noise = dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(10, 3), 5.0, opake.random.key(2))
+    first = _opt_with(noise, SequentialBatchSampler(60, 10, key=opake.random.key(1)))
+    with pytest.raises(ConfigurationError, match="already used by another DPOptimizer"):
+        _opt_with(noise, SequentialBatchSampler(60, 10, key=opake.random.key(1)))
+    k = opake.random.key(3)
+    make = lambda: opake.DPOptimizer(
+        torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0), noise_multiplier=1.0,
+        sampler=PoissonSampler(10, 0.5, key=opake.random.key(4)), key=k,
+    )
+    held = make()
+    with pytest.raises(ConfigurationError, match="already used by another DPOptimizer"):
+        make()
+    del held
+    import gc
+
+    gc.collect()
+    assert make().steps == 0
+    assert first[1].steps == 0
+
+
+def test_a_second_device_draws_its_own_stream():
+    """One generator per device, seeded alike, gave leaves of one shape on two GPUs the same
+    noise (their difference noise-free). The first device keeps the key's stream; each other
+    device folds in its position (shown with two distinct CPU device objects)."""
+    gen = opake.random.device_generators(opake.random.key(5))
+    a = torch.randn(1000, generator=gen(torch.device("cpu")))
+    b = torch.randn(1000, generator=gen(torch.device("cpu", 0)))
+    same = torch.randn(1000, generator=opake.random.generator_from_key(opake.random.key(5)))
+    assert torch.equal(a, same) and not torch.equal(a, b)
+    assert gen(torch.device("cpu")) is gen(torch.device("cpu"))
+
+
+def test_a_budget_assigned_later_holds_with_correlated_noise():
+    """``max_steps()`` of the correlated noise was computed once: a tighter budget assigned
+    mid-run was ignored (9 more steps to epsilon 2.77 under a 0.5 budget). It is checked as at
+    construction and recomputed."""
+    strategy = dpftrl.blt_strategy(24, 2, participations=4, min_separation=6, restarts=1)
+    sampler = SequentialBatchSampler(60, 10, key=opake.random.key(1))
+    param, opt = _opt_with(dpftrl.mf_gaussian_noise(strategy, 4.0, opake.random.key(2)), sampler, budget=acc.epsilon_budget(50.0, 1e-5))
+    loose = opt.max_steps()
+    opt.budget = acc.epsilon_budget(1e-3, 1e-5)
+    assert opt.max_steps() == 0 < loose
+    with pytest.raises(PrivacyBudgetExhaustedError):
+        _run(opt, param, sampler, 1)
+    with pytest.raises(ConfigurationError, match="at least 1/N"):
+        opt.budget = acc.epsilon_budget(1.0, 0.5)
+
+
+def test_a_strategy_that_is_not_normalised_is_refused():
+    """The accounting charges sensitivity 1 per participation: a hand-built M with column norm
+    2.24 was charged epsilon 1.99 where 4.98 was spent; a BLT stretched past the steps it was
+    normalised for (``replace(n=200)`` of one built for 20) has norm 1.001. Both are refused; a
+    shorter horizon (norm below 1) is kept."""
+    import dataclasses
+
+    from opake_compile.dpftrl.strategies import Strategy
+
+    with pytest.raises(ConfigurationError, match=r"largest column norm of M over n=10 steps is 2.23607"):
+        Strategy("bandmf", 10, (2.0, 1.0), (1.0,))
+    blt = dpftrl.blt_strategy(20, 2)
+    with pytest.raises(ConfigurationError, match=r"n=200 steps is 1.00"):
+        dataclasses.replace(blt, n=200)
+    assert dataclasses.replace(blt, n=10).n == 10

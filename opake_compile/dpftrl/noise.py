@@ -63,14 +63,8 @@ def _draw_dtype(leaf: torch.Tensor) -> torch.dtype:
 
 def _standard_normals(leaves: list[torch.Tensor], key: Any) -> list[torch.Tensor]:
     """One N(0, 1) tensor per leaf, drawn exactly as ``add_gaussian_noise`` draws them."""
-    generators: dict[torch.device, torch.Generator] = {}
-    out = []
-    for leaf in leaves:
-        dev = leaf.device
-        if dev not in generators:
-            generators[dev] = _random.generator_from_key(key, dev)
-        out.append(torch.randn(leaf.shape, generator=generators[dev], dtype=_draw_dtype(leaf), device=dev))
-    return out
+    generator = _random.device_generators(key)
+    return [torch.randn(leaf.shape, generator=generator(leaf.device), dtype=_draw_dtype(leaf), device=leaf.device) for leaf in leaves]
 
 
 class MFGaussianNoise:
@@ -85,12 +79,30 @@ class MFGaussianNoise:
     def __init__(self, strategy: Strategy, noise_multiplier: float) -> None:
         if not isinstance(strategy, Strategy):
             raise InputTypeError(f"Expected a Strategy (band_mf_strategy(...), ...), got {type(strategy).__name__}.")
-        self.strategy = strategy
-        self.noise_multiplier = check_noise_multiplier(noise_multiplier)
+        self._strategy = strategy
+        self._noise_multiplier = check_noise_multiplier(noise_multiplier)
         num = strategy.numerator
         self._a = [p / num[0] for p in num]  # feedback (P), a[0] = 1
         self._b = [q / num[0] for q in strategy.denominator]  # feedforward (Q)
         self._plain = strategy.numerator == (1.0,) and strategy.denominator == (1.0,)
+
+    # Read-only: a DPOptimizer accounts the strategy and sigma it was built with, so a change
+    # afterwards would add other noise than the one charged.
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._noise_multiplier
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("strategy", "noise_multiplier"):
+            raise ConfigurationError(
+                f"MFGaussianNoise.{name} is fixed at construction: optimizers account the noise they were "
+                "built with. Build a new mf_gaussian_noise(...) (and a new DPOptimizer) instead."
+            )
+        super().__setattr__(name, value)
 
     def __repr__(self) -> str:
         return f"mf_gaussian_noise({self.strategy!r}, noise_multiplier={self.noise_multiplier!r})"

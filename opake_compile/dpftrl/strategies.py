@@ -100,6 +100,20 @@ class Strategy:
     replay: bool = False
     params: tuple[tuple[str, Any], ...] = ()
 
+    def __post_init__(self) -> None:
+        # The accounting charges sensitivity 1 per participation for a normalised M. A strategy
+        # built or edited by hand (dataclasses.replace(s, n=...)) need not be: refuse it rather
+        # than report too small an epsilon.
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ConfigurationError(f"Strategy.n must be a positive int, got {self.n!r}.")
+        norm = float(np.linalg.norm(self.strategy_coefs()))  # column 0 is M's longest column
+        if not norm <= 1.0 + 1e-9:
+            raise ConfigurationError(
+                f"Strategy {self.name!r}: the largest column norm of M over n={self.n} steps is {norm:.6g}, "
+                "not 1: the privacy accounting assumes a normalised M. Build strategies with the factories "
+                "(band_mf_strategy, blt_strategy, ...) for the number of steps you will take."
+            )
+
     # ------------------------------------------------------------------ coefficients
     @property
     def num_buffers(self) -> int:

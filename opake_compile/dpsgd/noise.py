@@ -35,7 +35,7 @@ class NoiseState(NamedTuple):
 def add_gaussian_noise(tree: Any, std: float, key: Any) -> Any:
     """Add ``N(0, std^2)`` independently to every entry of every tensor leaf of ``tree``.
 
-    The noise is drawn from ``generator_from_key(key, leaf.device)`` in float32 or float64 (at
+    The noise is drawn from ``device_generators(key)(leaf.device)`` in float32 or float64 (at
     least float32, so low-precision leaves do not get quantised noise) and cast to the leaf's
     dtype. The key must never be reused for another draw.
 
@@ -47,18 +47,15 @@ def add_gaussian_noise(tree: Any, std: float, key: Any) -> Any:
     Returns:
         A tree of the same structure, shapes and dtypes.
     """
-    generators: dict[torch.device, torch.Generator] = {}
+    generator = _random.device_generators(key)
 
     def noisy(leaf: Any) -> Any:
         if not isinstance(leaf, torch.Tensor):
             return leaf
         if std == 0:
             return leaf.clone()
-        dev = leaf.device
-        if dev not in generators:
-            generators[dev] = _random.generator_from_key(key, dev)
         draw_dtype = torch.float64 if leaf.dtype == torch.float64 else torch.float32
-        z = torch.randn(leaf.shape, generator=generators[dev], dtype=draw_dtype, device=dev)
+        z = torch.randn(leaf.shape, generator=generator(leaf.device), dtype=draw_dtype, device=leaf.device)
         return (leaf.to(draw_dtype) + std * z).to(leaf.dtype)
 
     return optree.tree_map(noisy, tree)
