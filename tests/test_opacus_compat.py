@@ -431,6 +431,31 @@ def test_engine_key_makes_the_run_reproducible():
         PrivacyEngine(key=3)
 
 
+def test_one_noise_generator_gives_each_call_its_own_noise():
+    """The key came from ``noise_generator.initial_seed()`` alone: two ``make_private`` calls
+    with one generator drew the same batches and the same noise (ten bit-identical updates on
+    two datasets, so their difference was noise-free). The key is now drawn from the generator:
+    the calls differ, and a generator seeded alike reproduces the run."""
+
+    def run(generator):
+        model = _mlp(0)
+        pmodel, popt, loader = PrivacyEngine(backend=BACKEND).make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            data_loader=DataLoader(_data(12), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+            noise_generator=generator,
+        )
+        for x, y in loader:
+            F.cross_entropy(pmodel(x), y).backward()
+            popt.step()
+            popt.zero_grad()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    g = torch.Generator().manual_seed(1234)
+    first, second = run(g), run(g)
+    assert not torch.equal(first, second)
+    assert torch.equal(first, run(torch.Generator().manual_seed(1234)))
+
+
 # ------------------------------------------------------------------ losses that are refused
 @pytest.mark.parametrize(
     "make_loss, match",

@@ -247,3 +247,44 @@ def test_trainer_refusals(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ConfigurationError, match="not the DP step"):
         small.training_step(model, {})
+
+
+def test_a_collator_that_merges_rows_is_refused(tmp_path):
+    """A packing collator turned a draw of 8 rows into one (1, 64) row: one "example" of 8, so
+    removing one real example moved the clipped sum by up to 1.10 C. Refused, naming the key."""
+
+    def flatten(rows):
+        ids = [t for r in rows for t in r["input_ids"]]
+        return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids])}
+
+    args = dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=4, max_steps=1, dp_backend=None)
+    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), data_collator=flatten)
+    with pytest.raises(ConfigurationError, match=r"returned 'input_ids' with shape \(1, \d+\) for a draw of \d+ examples"):
+        trainer._collate_train([0, 1, 2])
+
+
+def test_the_seed_is_not_pickled_or_logged_and_training_mode_survives_evaluation(tmp_path):
+    """``training_args.bin`` (written beside the weights, uploaded by ``push_to_hub``) carried
+    ``dp_seed``, from which the run's draws and noise were rebuilt exactly; and after an
+    ``evaluate()`` during training the rest of the run trained in eval mode (dropout off)."""
+    import pickle
+
+    args = dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=4, max_steps=4, dp_backend=None, dp_seed=7)
+    assert pickle.loads(pickle.dumps(args)).dp_seed is None and args.to_dict()["dp_seed"] is None
+    assert args.dp_seed == 7
+    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), eval_dataset=lm_rows(4, seed=9))
+    modes = []
+
+    class EvalMidway(transformers.TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == 2:
+                trainer.model.eval()  # what an evaluate() callback leaves behind
+            return control
+
+        def on_step_end(self, a, state, control, **kw):
+            modes.append(trainer.model.training)
+            return control
+
+    trainer.add_callback(EvalMidway())
+    quiet(trainer.train)
+    assert modes == [True] * 4

@@ -753,8 +753,9 @@ class PrivacyEngine:
                 use that reduction (checked at every ``loss.backward()``).
             grad_sample_mode: ``"hooks"`` (per-example vector-Jacobian product of the compiled
                 model) or ``"ghost"`` (model and criterion compiled together).
-            noise_generator: a ``torch.Generator``; its ``initial_seed()`` seeds the noise and
-                sampling keys (default: the next child of the engine's ``key``, or OS entropy).
+            noise_generator: a ``torch.Generator``; four words drawn from it (advancing it) are
+                the noise and sampling key, so each call gets its own (default: the next child
+                of the engine's ``key``, or OS entropy).
             rand_on_empty: accepted, without effect: empty batches are batches with 0 rows.
             key: (opake_compile) an :mod:`opake_compile.random` key for noise and sampling;
                 overrides ``noise_generator``.
@@ -823,7 +824,11 @@ class PrivacyEngine:
         max_grad_norm = float(max_grad_norm)
         if key is None:
             if noise_generator is not None:
-                key = _random.key(noise_generator.initial_seed())
+                # Drawn from the generator (advancing it), as Opacus draws its noise from it: two
+                # calls with one generator get different keys (the same keys would add the same
+                # noise to both runs, their difference noise-free); one seed still reproduces.
+                words = torch.randint(0, 2**32, (4,), generator=noise_generator, dtype=torch.int64)
+                key = _random.Key(tuple(int(w) for w in words))
             elif self._key is not None:
                 self._key, key = _random.split(self._key, 2)
             else:

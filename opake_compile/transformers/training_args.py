@@ -90,6 +90,23 @@ class TrainingArguments(transformers.TrainingArguments):
         metadata={"help": "compile_dp backend: 'inductor', 'aot_eager', ...; None runs the traced graph as is."},
     )
 
+    def to_dict(self) -> dict[str, Any]:
+        """As transformers' (what trackers and ``print(args)`` show), ``dp_seed`` left out: with
+        it anyone can regenerate the run's Poisson draws and noise, and subtract the noise
+        from the released updates."""
+        d = super().to_dict()
+        d["dp_seed"] = None
+        return d
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles (``training_args.bin``, which transformers writes beside the weights and
+        ``push_to_hub`` uploads) carry no ``dp_seed``; nor do copies made by pickling protocols
+        (``copy.deepcopy``). The DP checkpoint's ``dp_state`` holds the keys a resume needs:
+        keep checkpoints as private as the training data."""
+        state = self.__dict__.copy()
+        state["dp_seed"] = None
+        return state
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.validate_privacy()

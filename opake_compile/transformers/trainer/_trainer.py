@@ -246,7 +246,18 @@ class DPTrainer(transformers.Trainer):
         if len(indices) == 0:
             full = self._collate_rows([ds[0]])
             return {k: v[:0] for k, v in full.items()}
-        return self._collate_rows([ds[i] for i in indices])
+        batch = self._collate_rows([ds[i] for i in indices])
+        for k, v in batch.items():
+            if v.dim() == 0 or v.shape[0] != len(indices):
+                # A collator that packs or merges rows (DataCollatorWithFlattening) makes one
+                # "example" of several: removing one of them then moves the clipped sum by more
+                # than C (up to 2 C), while one example per row is what is accounted.
+                raise ConfigurationError(
+                    f"The data collator returned '{k}' with shape {tuple(v.shape)} for a draw of {len(indices)} "
+                    f"examples: DPTrainer needs one row per example (no packing or flattening collators), "
+                    f"since each row is clipped as one example."
+                )
+        return batch
 
     def _collate_rows(self, rows: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         batch = self.data_collator(rows)
@@ -481,6 +492,8 @@ class DPTrainer(transformers.Trainer):
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
             for draw in self.dp_sampler:
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                if not self.model.training:
+                    self.model.train()  # evaluate() in a callback left it in eval mode
                 batch = self._collate_train(draw)
                 tensors = [batch[k].to(device) for k in self._dp_keys]
                 if tuple(batch) != self._dp_keys:
