@@ -130,8 +130,8 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
         ConfigurationError: a position out of range, a 0-d tensor (no batch dimension), no
             batched argument, or batched arguments that disagree on B (the message lists them).
         InputTypeError: a batched argument holds no tensor, is a DP output wrapper, or holds
-            what looks like per-example values that are not tensors (an array, or a list/tuple
-            of B non-tensor values): they would be one constant shared by every example.
+            what looks like per-example values that are not tensors (an array of B rows, or a
+            list/tuple of B numbers): they would be one constant shared by every example.
     """
     # Fast path, the common call: every batched argument a plain tensor of one batch size
     # (anything else, including every error, takes the general path below).
@@ -169,31 +169,33 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
 
 
 def _reject_per_example_constants(value: Any, size: int, where: str) -> None:
-    """Refuse what a batched argument holds beside its tensors that looks per example: an array
-    (NumPy or any ``__array__``) or a list/tuple of ``size`` non-tensor values. Only tensor leaves
-    are split into examples; anything else is one constant shared by every example, so each
-    example's gradient would depend on the other examples' values (one example's removal could
-    move the clipped sum by more than C)."""
-    if isinstance(value, (str, bytes, torch.Tensor)) or value is None:
+    """Refuse what a batched argument holds beside its tensors that looks per example: a NumPy
+    array (anything with ``__array__``) of ``size`` rows, or a list/tuple of ``size`` numbers.
+    Only tensor leaves are split into examples; anything else is one constant shared by every
+    example, so per-example values there would reach every example's gradient (one example's
+    removal could move the clipped sum by more than C). Strings, ``torch.Size`` and values of
+    another length are kept as constants."""
+    if isinstance(value, (str, bytes, torch.Tensor, torch.Size)) or value is None:
         return
-    if hasattr(value, "__array__") and getattr(value, "ndim", 1) != 0:
+    shape = getattr(value, "shape", None)
+    if hasattr(value, "__array__") and shape is not None and len(shape) >= 1 and shape[0] == size:
         raise InputTypeError(
-            f"Batched {where} holds a {type(value).__name__}: only tensor leaves are split into "
-            "examples, so it would be one constant seen by every example (per-example values of "
-            "one example would reach the others' gradients). Pass it as a tensor (torch.as_tensor), "
-            "or as an argument outside batch_argnums if it is not per example."
+            f"Batched {where} holds a {type(value).__name__} of {size} rows, one per example by its "
+            "length: only tensor leaves are split into examples, so every example would see all of "
+            "them. Pass per-example values as a tensor (torch.as_tensor); pass a constant that happens "
+            "to have this length through loss_fn itself (a closure or functools.partial)."
         )
     if isinstance(value, dict):
         for k, v in value.items():
             _reject_per_example_constants(v, size, f"{where}[{k!r}]")
     elif isinstance(value, (list, tuple)):
-        if len(value) == size and not any(isinstance(v, torch.Tensor) for v in optree.tree_leaves(value, none_is_leaf=True)):
+        if len(value) == size and all(isinstance(v, numbers.Number) for v in value):
             raise InputTypeError(
-                f"Batched {where} is a {type(value).__name__} of {size} non-tensor values, one per "
-                "example by its length: only tensor leaves are split into examples, so every example "
-                "would see all of them (one example's values would reach the others' gradients). "
-                "Pass them as a tensor (torch.as_tensor), or as an argument outside batch_argnums if "
-                "they are not per example."
+                f"Batched {where} is a {type(value).__name__} of {size} numbers, one per example by "
+                "its length: only tensor leaves are split into examples, so every example would see "
+                "all of them. Pass per-example values as a tensor (torch.as_tensor); pass a constant "
+                "that happens to have this length through loss_fn itself (a closure or "
+                "functools.partial)."
             )
         for j, v in enumerate(value):
             _reject_per_example_constants(v, size, f"{where}[{j}]")

@@ -92,9 +92,11 @@ returns or raises):
    argument. A ``batch_first=False`` recurrent layer or ``nn.MultiheadAttention`` (and the
    ``nn.Transformer*`` layers built on it) fed a ``(T, B, F)`` batch as it is would treat each
    time step as an example holding every sequence: no sequence's influence would be bounded by
-   C. While tracing, such a layer that sees more than one sequence in one example's forward
-   (dim 1 of its 3-d input larger than 1) is refused by name; a loss that transposes a
-   ``(B, T, F)`` batch for it (one sequence per example) traces as before.
+   C. While tracing, such a layer whose per-example input is one time step of several
+   sequences (a 3-d input of shape ``(1, S, F)``, S > 1: the trace of a split ``(T, B, F)``
+   batch) is refused by name; a loss that transposes a ``(B, T, F)`` batch for it, or an
+   example that runs its own several sequences over their time steps (a document's
+   sentences), traces as before.
 
 ``apply_runtime_patches()`` installs the library shims of item 1 for the whole process (useful
 when the model is run under ``vmap`` outside ``compile_dp``, e.g. by the eager reference
@@ -664,7 +666,10 @@ def _one_sequence_per_example(model: nn.Module) -> Iterator[None]:
 
     def check(mod: nn.Module, args: tuple, kwargs: dict) -> None:
         x = args[0] if args else kwargs.get("input", kwargs.get("query"))
-        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[1] != 1:
+        # A (T, B, F) batch split along dim 0 reaches the layer as one time step holding every
+        # sequence: (1, B, F). Several sequences of one example (a document's sentences) run
+        # over their own time steps and pass.
+        if isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1 and x.shape[1] != 1:
             raise UnsupportedOperationError(
                 f"{type(mod).__name__} (batch_first=False) sees {x.shape[1]} sequences in one example's "
                 f"forward: its input {tuple(x.shape)} is read as (T, B, F), but compile_dp takes the "

@@ -558,7 +558,7 @@ def test_a_loss_that_does_not_depend_on_the_parameters_is_refused(loss):
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     x, y = torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1])
     step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
-    with pytest.raises(ConfigurationError, match="does not depend on the trainable parameters"):
+    with pytest.raises(ConfigurationError, match="gradient is zero for every input and every trainable parameter"):
         step(x, y)
     model.unused = nn.Parameter(torch.zeros(2))
     ok = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend="aot_eager")
@@ -577,3 +577,28 @@ def test_a_call_with_arguments_the_loss_cannot_take_is_an_input_type_error():
     with pytest.raises(InputTypeError, match=r"called as loss_fn\(model, \*batch\) with 1 batch argument"):
         step(torch.randn(4, 3))
     assert step.num_traces == 0
+
+
+def test_a_nonzero_constant_gradient_trains():
+    """A score linear in a trainable bias (a critic's ``-m(x).mean()`` with the weights frozen)
+    has the gradient -1 for every example: it trains, it is not refused as a detached loss."""
+    model = nn.Linear(3, 1)
+    model.weight.requires_grad_(False)
+    step = compile_dp(lambda m, x: -m(x).mean(), model=model, clipping_norm=0.5, backend="aot_eager")
+    out = step(torch.randn(6, 3)).clipped
+    # 6 examples, each clipped to 0.5 (the effective norm sits just below C: numerics' margin)
+    assert -3.0 <= float(out.grads["bias"]) <= -0.99 * 3.0
+
+
+def test_the_arity_check_reads_a_decorators_own_signature():
+    import functools
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(x), y)
+
+    @functools.wraps(loss)
+    def wrapper(m, batch):
+        return loss(m, batch["x"], batch["y"])
+
+    step = compile_dp(wrapper, model=nn.Linear(3, 2), clipping_norm=1.0, backend="aot_eager")
+    assert step({"x": torch.randn(4, 3), "y": torch.tensor([0, 1, 0, 1])}).clipped.num_examples == 4

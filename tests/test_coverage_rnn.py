@@ -236,3 +236,20 @@ def test_a_sequence_first_layer_fed_a_time_major_batch_is_refused(layer: str) ->
         step(time_major)
     good = opake.compile_dp(transposed, model=core, clipping_norm=1.0, backend="aot_eager")
     assert good(time_major.transpose(0, 1)).clipped.num_examples == 5
+
+
+def test_several_sequences_of_one_example_over_their_own_time_steps_train() -> None:
+    """A document of S sentences run through a ``batch_first=False`` LSTM as a ``(T, S, F)``
+    mini-batch is one example: not refused (only a ``(1, S, F)`` input, one time step of several
+    sequences, is the trace of a split ``(T, B, F)`` batch)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        lstm = nn.LSTM(4, 4)
+    docs = torch.randn(3, 2, 5, 4, generator=seeded(2))  # (B, S sentences, T words, F)
+
+    def loss(m: nn.Module, d: torch.Tensor) -> torch.Tensor:
+        out, _ = m(d.flatten(0, 1).transpose(0, 1))  # (T, B*S, F): B*S = S in one example's trace
+        return out.pow(2).mean()
+
+    step = opake.compile_dp(loss, model=lstm, clipping_norm=1.0, backend="aot_eager")
+    assert step(docs).clipped.num_examples == 3

@@ -115,12 +115,15 @@ def test_per_example_values_that_are_not_tensors_are_refused_in_a_batched_argume
     ``[0.01] * 15 + [500]`` one example moved the compiled step's clipped sum by 15.9 C. Refused
     naming the leaf; a config value (a short tuple, a string, a 0-d NumPy scalar) is kept."""
     x = torch.zeros(16, 3)
-    for bad, what in (([0.01] * 15 + [500.0], r"\['w'\] is a list of 16 non-tensor values"),
-                      (np.ones(16), r"\['w'\] holds a ndarray"),
-                      (tuple("abcdefghijklmnop"), r"\['w'\] is a tuple of 16")):
+    for bad, what in (([0.01] * 15 + [500.0], r"\['w'\] is a list of 16 numbers"),
+                      (np.ones((16, 2)), r"\['w'\] holds a ndarray of 16 rows"),
+                      (tuple(range(16)), r"\['w'\] is a tuple of 16 numbers")):
         with pytest.raises(E.InputTypeError, match=what):
             V.check_batch_size(({"x": x, "w": bad},), (0,))
-    assert V.check_batch_size(({"x": x, "w": (2, 3), "name": "mlp", "t": np.float32(0.5)},), (0,)) == 16
+    # Constants: strings (default_collate's string fields), torch.Size, other lengths, 0-d arrays.
+    ok = {"x": x, "w": (2, 3), "name": "mlp", "t": np.float32(0.5), "ids": [f"row{i}" for i in range(16)],
+          "shape": torch.Size([4] * 16), "classes": np.ones(10)}
+    assert V.check_batch_size((ok,), (0,)) == 16
     assert V.check_batch_size(({"x": x}, np.ones(16)), (0,)) == 16  # outside batch_argnums: a constant
 
 
@@ -136,7 +139,7 @@ def test_the_compiled_step_refuses_a_per_example_list_before_anything_runs():
     )
     batch = {"x": torch.randn(4, 3), "y": torch.tensor([0, 1, 0, 1]), "w": [1.0, 1.0, 1.0, 9.0]}
     state = step.state_dict()
-    with pytest.raises(E.InputTypeError, match="list of 4 non-tensor values"):
+    with pytest.raises(E.InputTypeError, match="list of 4 numbers"):
         step(batch)
     assert step.state_dict() == state and step.num_traces == 0
     assert step({**batch, "w": torch.tensor(batch["w"])}).clipped.num_examples == 4

@@ -237,7 +237,7 @@ def _check_arity(loss_fn: Callable[..., Any], nargs: int) -> None:
     import inspect
 
     try:
-        sig = inspect.signature(loss_fn)
+        sig = inspect.signature(loss_fn, follow_wrapped=False)  # a decorator's own parameters
     except (TypeError, ValueError):
         return
     try:
@@ -287,32 +287,40 @@ def _check_operand_dtypes(
             )
 
 
-# Ops whose values do not depend on their tensor inputs' values.
-_SHAPE_ONLY_OPS = frozenset(
+_ZEROS_OPS = frozenset((torch.ops.aten.zeros.default, torch.ops.aten.zeros_like.default, torch.ops.aten.new_zeros.default))
+_PASS_THROUGH_OPS = frozenset(
     getattr(torch.ops.aten, name).default
-    for name in ("zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones", "new_empty", "new_full")
+    for name in ("view", "reshape", "expand", "clone", "_to_copy", "permute", "t", "unsqueeze", "squeeze", "alias", "detach")
 )
 
 
 def _check_depends_on_parameters(gm: fx.GraphModule, names: Sequence[str]) -> None:
-    """Refuse a loss none of whose per-example gradients depends on a trainable parameter or
-    the batch (a ``.detach()``-ed loss, a loss of the labels alone): every clipped sum would be
-    zero and training would follow the noise alone, with no error from autograd as eagerly."""
-    varying = {n for n in gm.graph.nodes if n.op == "placeholder"}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SHAPE_ONLY_OPS:
-            continue  # zeros_like(p): the gradient of an unused parameter
-        if node.op not in ("placeholder", "output") and any(a in varying for a in node.all_input_nodes):
-            varying.add(node)
+    """Refuse a loss whose per-example gradients are zero by construction for every trainable
+    parameter (a ``.detach()``-ed loss, a loss of the labels alone): every clipped sum would be
+    zero and training would follow the noise alone, with no error from autograd as eagerly. (A
+    gradient that is a nonzero constant, as of a bias under a linear score, trains.)"""
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     grads = [g for g in out.args[0][1:] if isinstance(g, fx.Node)]
-    if grads and not any(g in varying for g in grads):
+    if grads and all(_is_zeros(g) for g in grads):
         raise ConfigurationError(
-            f"loss_fn's per-example gradient is the same constant for every input (zero for "
-            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): the loss does not depend on "
-            "the trainable parameters (a .detach() or .item() on the loss, or a loss of the labels "
-            "alone?). Training would follow the noise alone."
+            f"loss_fn's per-example gradient is zero for every input and every trainable parameter "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): the loss does not depend on "
+            "them (a .detach() or .item() on the loss, or a loss of the labels alone?). Training would "
+            "follow the noise alone."
         )
+
+
+def _is_zeros(node: fx.Node) -> bool:
+    """Whether ``node`` is zeros whatever the inputs: a zeros-creating op (``zeros_like(p)``,
+    the gradient of a parameter the loss does not reach), through views, copies and casts."""
+    while node.op == "call_function" and node.target in _PASS_THROUGH_OPS:
+        node = node.args[0]
+    if node.op != "call_function":
+        return False
+    if node.target in _ZEROS_OPS:
+        return True
+    fill = {torch.ops.aten.full.default: 1, torch.ops.aten.full_like.default: 1, torch.ops.aten.new_full.default: 2}
+    return node.target in fill and len(node.args) > fill[node.target] and node.args[fill[node.target]] == 0
 
 
 def trace_per_example_grads(
