@@ -36,6 +36,7 @@ from opake_compile import random as _random
 from opake_compile._validate import NotPrivateWarning, check_noise_multiplier, check_optimizer_state
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.dpsgd._types import mark_released as _release_receipts
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
     CheckpointError,
@@ -174,6 +175,7 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
         parameters=first.parameters,
         releases=tuple(r for p in parts for r in p.releases),
         draw=next(iter(draws), None),
+        receipts=tuple(r for p in parts for r in p.receipts),
     )
     _SOURCES[out] = tuple(t for p in parts for t in _sum_tensors(p))  # released with the sum
     return out
@@ -653,6 +655,7 @@ class DPOptimizer:
         """Record a release (at the write to ``.grad``): the sum and its parts may not be
         released again, and this optimizer charges its sampler's draws from now on."""
         _mark_released(_sum_tensors(clipped))
+        _release_receipts(clipped)  # its receipts: adaptive clipping's next norm may now be used
         try:
             _CHARGERS[self.sampler] = weakref.ref(self)
         except TypeError:  # a sampler object that cannot be weakly referenced: not tracked

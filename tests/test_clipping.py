@@ -15,6 +15,7 @@ from opake_compile import pytree
 from opake_compile import random as oprandom
 from opake_compile._validate import NotPrivateWarning
 from opake_compile.dpsgd import ClippedPytree, NoisedPytree
+from opake_compile.dpsgd.noise import gaussian_noise
 from opake_compile.dpsgd.clipping import (
     AdaptiveClipState,
     ClipState,
@@ -528,10 +529,12 @@ def test_adaptive_clipping_tracks_target_quantile():
         expected_batch_size=20, target_quantile=quantile, learning_rate=0.3, count_noise_multiplier=0.01,
     )
     assert isinstance(state, AdaptiveClipState) and state.clipping_norm == 0.5
+    noise_fn, noise_state = gaussian_noise(1.0, oprandom.key(1))
     history = []
     for _ in range(60):
         old = state
         got, state = grad_fn(p, x, state=state)
+        _, noise_state = noise_fn(got, noise_state)  # the release: the next C may be used
         assert got.clipping_norm == old.clipping_norm  # this call clipped with the old C
         assert state.key != old.key  # the count-noise key advances
         history.append(state.clipping_norm)
@@ -626,3 +629,46 @@ def test_a_clipping_state_passed_in_is_checked_like_clipping_norm(c, error):
         adaptive(params, _t([[1.0]]), state=state._replace(clipping_norm=c))
     got, _ = grad_fn(params, _t([[1.0]]), state=ClipState(0.5))
     torch.testing.assert_close(got.grads["w"], _t([0.5 * S32]))
+
+
+def _adaptive_setup():
+    loss = lambda p, x: (p["w"] * x).sum()
+    grad_fn, state = adaptive_clipped_grad(
+        loss, batch_argnums=1, initial_clipping_norm=1.0, expected_batch_size=2.0, key=oprandom.key(3),
+        count_noise_multiplier=1.0,
+    )
+    return grad_fn, state, {"w": _t([3.0])}, _t([[1.0], [4.0]])
+
+
+def test_adaptive_state_of_an_unreleased_result_is_refused():
+    """The next clipping norm is computed from a noisy count that is charged only when its result
+    is released: a state whose result was never stepped on (a refused step) used to clip the
+    next batch with it, so the run depended on a count no accountant saw."""
+    grad_fn, state, params, x = _adaptive_setup()
+    got, nxt = grad_fn(params, x, state=state)
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        grad_fn(params, x, state=nxt)
+    again, nxt2 = grad_fn(params, x, state=state)  # the state that call was given: allowed
+    assert nxt2 == nxt and again.clipping_norm == got.clipping_norm
+    noise_fn, ns = gaussian_noise(1.0, oprandom.key(4))
+    noise_fn(again, ns)
+    later, _ = grad_fn(params, x, state=nxt)
+    assert later.clipping_norm == nxt.clipping_norm
+
+
+def test_adaptive_state_is_released_by_the_optimizer_step_and_through_accumulate():
+    from opake_compile.optim import DPOptimizer, accumulate
+    from opake_compile.sampling import PoissonSampler
+
+    grad_fn, state, params, x = _adaptive_setup()
+    w = torch.nn.Parameter(_t([3.0]))
+    sampler = PoissonSampler(2, 1.0, key=oprandom.key(6))
+    opt = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=oprandom.key(5))
+    assert sorted(next(iter(sampler))) == [0, 1]  # q = 1: the draw is the whole data set
+    a, _ = grad_fn({"w": w}, x[:1], state=state)
+    b, nxt = grad_fn({"w": w}, x[1:], state=state)
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        grad_fn({"w": w}, x, state=nxt)
+    opt.step(accumulate([a, b]))
+    got, _ = grad_fn({"w": w}, x, state=nxt)
+    assert got.clipping_norm == nxt.clipping_norm

@@ -123,11 +123,15 @@ def test_adaptive_budget_guard_counts_the_count():
     opt, grad_fn, state, params, it, (x, y) = _adaptive_run(3, budget=budget)
     idx = next(it)
     i = torch.as_tensor(idx, dtype=torch.long)
-    clipped, _ = grad_fn(params, x[i], y[i], state=state)
+    clipped, refused_state = grad_fn(params, x[i], y[i], state=state)
     before = {k: v.detach().clone() for k, v in params.items()}
     with pytest.raises(PrivacyBudgetExhaustedError):
         opt.step(clipped)
     assert opt.steps == 3 and all(torch.equal(before[k], params[k]) for k in params)
+    # The refused step's noisy count was not charged: the clipping norm computed from it is
+    # not usable either.
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        grad_fn(params, x[i], y[i], state=refused_state)
 
 
 def test_release_that_cannot_be_accounted_is_refused():

@@ -15,7 +15,50 @@ import torch
 
 from opake_compile._markers import DPOutput
 
-__all__ = ["ClippedPytree", "NoisedPytree"]
+__all__ = ["ClippedPytree", "NoisedPytree", "ReleaseReceipt"]
+
+
+class ReleaseReceipt:
+    """Whether a value derived from a sample outside its :class:`ClippedPytree` (adaptive
+    clipping's next clipping norm, computed from a noisy count) has been released with the
+    sum: set when the sum is released (``DPOptimizer.step``, ``gaussian_noise``), so that the
+    accountant charged the count with it (or, on the eager path, the caller's accounting of
+    ``clipped.releases`` covers it).
+
+    A state carrying such a value is *pending* until then: the next call that would use it
+    refuses it (:func:`~opake_compile.dpsgd.clipping.adaptive_clipped_grad`), since the
+    training run would otherwise depend on a release no accountant saw (a step that was refused
+    or never taken).
+    """
+
+    __slots__ = ("released", "_key")
+
+    def __init__(self, key: Any) -> None:
+        self.released = False
+        self._key = key
+        _PENDING[key] = self
+
+    def __repr__(self) -> str:
+        return f"ReleaseReceipt(released={self.released})"
+
+
+# State key -> the receipt of the result whose release the state's value waits for. An entry
+# leaves when its receipt is released; an unreleased one stays (the state it names is refused).
+_PENDING: dict[Any, ReleaseReceipt] = {}
+
+
+def pending_receipt(key: Any) -> ReleaseReceipt | None:
+    """The unreleased receipt a state with ``key`` waits for, or None."""
+    r = _PENDING.get(key)
+    return None if r is None or r.released else r
+
+
+def mark_released(clipped: "ClippedPytree") -> None:
+    """Record that ``clipped`` (and what its receipts stand for) has been released."""
+    for r in clipped.receipts:
+        r.released = True
+        if _PENDING.get(r._key) is r:
+            del _PENDING[r._key]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,6 +96,10 @@ class ClippedPytree(DPOutput):
             ``dataclasses.replace(clipped, releases=clipped.releases + (acc.gaussian(s),))``.
         draw: the :class:`~opake_compile.sampling.DrawId` of the Poisson draw the examples came
             from, or ``None`` (unknown). ``accumulate`` refuses parts of different draws.
+        receipts: :class:`ReleaseReceipt` objects of values computed from this sample that
+            left in a state rather than in this result (adaptive clipping's next clipping
+            norm); marked when the sum is released, and carried by ``accumulate`` and
+            ``sum_gradients``.
     """
 
     grads: Any
@@ -66,6 +113,7 @@ class ClippedPytree(DPOutput):
     parameters: Mapping[str, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
     releases: tuple[Any, ...] = ()
     draw: Any = None
+    receipts: tuple[ReleaseReceipt, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def batch_size(self) -> int:

@@ -35,7 +35,7 @@ from opake_compile import pytree as _pt
 from opake_compile._markers import reject_dp_output
 from opake_compile._validate import NotPrivateWarning, check_batch_size, check_clipping_norm
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.dpsgd._types import ClippedPytree, ReleaseReceipt, pending_receipt
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -452,9 +452,15 @@ def adaptive_clipped_grad(
     To spend the budget of plain DP-SGD with noise ``sigma_total``, take the gradient noise from
     :func:`opake_compile.accounting.adaclip_noise_multipliers`.
     ``count_noise_multiplier=0`` warns that the norm update is not private (epsilon = inf).
+    The returned state is usable once its result has been released (``DPOptimizer.step``, or
+    ``gaussian_noise`` on the eager path): a call with a state whose result was never released
+    raises, since the norm it carries depends on a count that was not charged.
 
     Returns:
         ``(grad_fn, state)``; the returned state carries the updated C and advanced key.
+
+    Raises:
+        ConfigurationError: (from ``grad_fn``) a state whose result has not been released.
     """
     from opake_compile import random as _random
 
@@ -481,6 +487,14 @@ def adaptive_clipped_grad(
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
         state = _checked_state(state)
         cn = state.clipping_norm
+        if pending_receipt(state.key) is not None:
+            raise ConfigurationError(
+                f"This AdaptiveClipState's clipping_norm={cn!r} was computed from the noisy count of "
+                "a call whose result has not been released (passed to DPOptimizer.step or "
+                "gaussian_noise): clipping with it would make the run depend on a count no "
+                "accountant charged (a step that was refused or never taken). Step on that "
+                "result first, or call again with the state that call was given."
+            )
         result = _grad_and_clip(
             loss_fn, argnums, batch_argnums, has_aux, keep_batch_dim,
             lambda g: clip_and_sum(g, cn), args, cn, norm_by,
@@ -493,7 +507,12 @@ def adaptive_clipped_grad(
         new_c = cn * math.exp(-learning_rate * (frac - target_quantile))
         # The noisy count is a second release from the same sample: the result says so, and
         # DPOptimizer charges it with the gradient query (accounting.adaclip).
-        result = dataclasses.replace(result, releases=result.releases + (count_release,))
+        # The next C is a release too, made into the state: it may be used only once the result
+        # has been released (and so charged), see ReleaseReceipt.
+        receipt = ReleaseReceipt(next_key)
+        result = dataclasses.replace(
+            result, releases=result.releases + (count_release,), receipts=result.receipts + (receipt,)
+        )
         return result, AdaptiveClipState(new_c, next_key)
 
     return grad_fn, AdaptiveClipState(c0, key)

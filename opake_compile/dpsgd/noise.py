@@ -20,7 +20,7 @@ import torch
 
 from opake_compile import random as _random
 from opake_compile._validate import check_noise_multiplier
-from opake_compile.dpsgd._types import ClippedPytree, NoisedPytree
+from opake_compile.dpsgd._types import ClippedPytree, NoisedPytree, mark_released
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = ["NoiseState", "NoisedPytree", "gaussian_noise", "add_gaussian_noise"]
@@ -115,6 +115,7 @@ def gaussian_noise(
                 clipped.grads,
                 add_gaussian_noise(optree.tree_map(torch.zeros_like, clipped.grads), std, draw_key),
             )
+        mark_released(clipped)  # (adaptive clipping's next norm may be used from now on)
         return (
             NoisedPytree(grads=grads, clipping_norm=c, noise_multiplier=sigma, noise_std=std, normalize_by=clipped.normalize_by),
             NoiseState(next_key),
