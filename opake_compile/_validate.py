@@ -88,6 +88,8 @@ def check_noise_multiplier(value: Any, *, name: str = "noise_multiplier") -> flo
     s = _as_float(name, value)
     if math.isnan(s) or s < 0 or math.isinf(s):
         raise ConfigurationError(f"Expected {name}={s!r} to be finite and >= 0.")
+    if s > 0 and s * s < 1e-300:  # 1 / sigma^2, the accountants' first quantity, would overflow
+        raise ConfigurationError(f"{name}={s!r} is too small to account for (epsilon beyond any float): use 0 or a real noise multiplier.")
     if s == 0:
         warnings.warn(
             f"{name}=0: no noise is added, so training is not differentially private.",

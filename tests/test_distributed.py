@@ -607,7 +607,7 @@ def test_helpers_validate_arguments():
         D.reduce_pytree(clipped)
     with pytest.raises(InputTypeError):
         D.sum_gradients({"w": t})
-    normalised = ClippedPytree(grads={"w": t}, clipping_norm=1.0, per_example_norms=t, num_examples=2, normalize_by=2.0)
+    normalised = ClippedPytree(grads={"w": t.clone()}, clipping_norm=1.0, per_example_norms=t, num_examples=2, normalize_by=2.0)
     with pytest.raises(ConfigurationError, match="normalize_by"):
         D.sum_gradients(normalised)
     with pytest.raises(InputTypeError):

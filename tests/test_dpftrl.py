@@ -35,6 +35,8 @@ IDS = [s.name for s in STRATEGIES]
 
 
 def _clipped(grads, c=1.0, params=None, normalize_by=None):
+    # Fresh tensors: a ClippedPytree keeps the norm and normalisation its sums were made with.
+    grads = {k: v.clone() for k, v in grads.items()} if isinstance(grads, dict) else grads
     return ClippedPytree(grads=grads, clipping_norm=c, per_example_norms=torch.zeros(0), num_examples=0,
                          parameters=params, normalize_by=normalize_by)
 

@@ -368,6 +368,7 @@ def test_state_dict_round_trip_gives_the_same_next_noise():
     twin_step = compile_dp(case.loss_fn, model=twin, clipping_norm=1.0, physical_batch_size=4, backend=None)
     opt2 = make(twin, key=77)  # a different key, replaced by the checkpoint's
     opt2.load_state_dict(sd)
+    opt2.sampler.load_state_dict(copy.deepcopy(opt.sampler.state_dict()))  # (else it is behind: refused)
     assert opt2.steps == 2
     batch = case.make_batch(4, 10)
     _drawn(opt).step(step(*batch).clipped)
@@ -437,7 +438,7 @@ def test_accumulate_refusals():
         accumulate([a, {"w": torch.zeros(3)}])
     with pytest.raises(ConfigurationError):
         accumulate([a, _zero_clipped(param, 2.0)])
-    norm = ClippedPytree(grads=a.grads, clipping_norm=1.0, per_example_norms=torch.zeros(0), num_examples=0,
+    norm = ClippedPytree(grads={k: v.clone() for k, v in a.grads.items()}, clipping_norm=1.0, per_example_norms=torch.zeros(0), num_examples=0,
                          normalize_by=2.0, parameters=a.parameters)
     with pytest.raises(ConfigurationError):
         accumulate([a, norm])
@@ -480,7 +481,10 @@ def test_a_clipped_sum_with_a_clipping_norm_that_is_not_positive_is_refused(c):
     C (edited in, or from an unchecked clipping state) is refused before anything changes."""
     param = nn.Parameter(torch.zeros(3))
     opt = _dp(torch.optim.SGD([param], lr=1.0))
-    clipped = dataclasses.replace(_zero_clipped(param, 1.0), clipping_norm=c)
+    if isinstance(c, float) and c <= 0:  # edited in: refused where the copy is made
+        with pytest.raises(ConfigurationError, match="may only be raised"):
+            dataclasses.replace(_zero_clipped(param, 1.0), clipping_norm=c)
+    clipped = _zero_clipped(param, c)
     with pytest.raises(ConfigurationError, match="is not a positive number"):
         _drawn(opt).step(clipped)
     assert opt.steps == 0 and param.grad is None and torch.equal(param, torch.zeros(3))

@@ -488,3 +488,91 @@ def test_a_budget_with_delta_of_at_least_one_over_n_is_refused():
         with pytest.raises(ConfigurationError, match="1/N"):
             _optimizer(_params(), sampler, budget=acc.epsilon_budget(1.0, delta=delta))
     assert _optimizer(_params(), sampler, budget=acc.epsilon_budget(1.0, delta=1e-5)).budget is not None
+
+
+# ------------------------------------------- the sampler's draws against the optimizer's charges
+def _run_epoch(n=40, q=0.25, seed=0):
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, q, key=opake.random.key(seed))
+    opt = _optimizer(params, sampler)
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+
+    def clip(idx):
+        i = torch.as_tensor(list(idx), dtype=torch.long)
+        return grad_fn(params, x[i], y[i], state=st)[0]
+
+    return opt, sampler, clip, params
+
+
+def test_the_sampler_cannot_be_swapped():
+    """A sampler swapped in after construction drew at its own rate while the steps were
+    charged at the first one's (review: 20 steps at q = 1 reported as epsilon 0.199 of q = 0.01,
+    28.4 spent)."""
+    opt, sampler, clip, _ = _run_epoch()
+    with pytest.raises(ConfigurationError, match="read-only"):
+        opt.sampler = PoissonSampler(40, 1.0, key=opake.random.key(3))
+    assert opt.sampler is sampler
+
+
+def test_a_sampler_behind_the_optimizer_is_refused():
+    """A sampler rewound (or restored without its state) behind the optimizer's charged draws
+    made the pending count negative, and such a step passed as a new draw: the same samples were
+    released again (review: 9 repeated draws charged as new ones, epsilon 3.53 reported against
+    5.74) and whole-data-set sums were charged at rate q."""
+    opt, sampler, clip, params = _run_epoch()
+    saved = sampler.state_dict()
+    for b in sampler:
+        opt.step(clip(b), draw=b)
+    charged = opt.steps
+    sampler.load_state_dict(saved)  # rewound
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ConfigurationError, match="behind the optimizer"):
+        opt.step(clip(range(40)))
+    b = next(iter(sampler))
+    with pytest.raises(ConfigurationError, match="already charged"):
+        opt.step(clip(b), draw=b)
+    with pytest.raises(ConfigurationError, match="behind the optimizer"):
+        opt.step(clip(b))
+    assert opt.steps == charged and all(torch.equal(before[k], params[k]) for k in params)
+
+
+def test_a_draw_not_handed_out_is_refused():
+    """A DrawId made by hand for a draw the sampler never handed out passed every check
+    (review: 10 whole-data-set steps charged as Poisson steps at q = 0.1)."""
+    from opake_compile.sampling import DrawId
+
+    opt, sampler, clip, _ = _run_epoch()
+    with pytest.raises(ConfigurationError, match="has not been handed out"):
+        opt.step(clip(range(40)), draw=DrawId(sampler._id, 0, 0, 0))
+    assert opt.steps == 0
+    b = next(iter(sampler))
+    opt.step(clip(b), draw=b)  # the real draw 0
+    with pytest.raises(ConfigurationError, match="has not been handed out"):
+        opt.step(clip(b), draw=dataclasses.replace(b.id, seq=1, step=1))
+    assert opt.steps == 1
+
+
+def test_noise_that_overflows_the_parameters_is_refused_before_anything_changes():
+    opt, sampler, clip, params = _run_epoch()
+    opt2 = DPOptimizer(torch.optim.SGD(params.values(), lr=0.1), noise_multiplier=1e30, sampler=sampler, key=opake.random.key(9))
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1e10)
+    x, y = _data(40)
+    b = next(iter(sampler))
+    i = torch.as_tensor(list(b), dtype=torch.long)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ConfigurationError, match="overflows"):
+        opt2.step(grad_fn(params, x[i], y[i], state=st)[0], draw=b)
+    assert opt2.steps == 0 and all(torch.equal(before[k], params[k]) for k in params)
+
+
+def test_accounting_failures_are_the_librarys_errors():
+    """A tiny noise multiplier made dp-accounting raise NumPy's MemoryError / ValueError from
+    epsilon() and from a budget check (review); 1e-300 overflowed at construction."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        process = acc.dpsgd_step_process(1e-8, 0.1)
+    with pytest.raises(ConfigurationError, match="could not evaluate"):
+        acc.Accountant().epsilon(process, DELTA)
+    with pytest.raises(ConfigurationError, match="too small"):
+        acc.dpsgd_step_process(1e-300, 0.1)

@@ -9,16 +9,41 @@ floats that also say which accountant produced them. Public names are re-exporte
 
 from __future__ import annotations
 
+import functools
 import math
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from opake_compile._validate import check_nonnegative_int, check_probability
 from opake_compile.accounting._bridge import PLDCache, compose, privacy_profile, validate_options
 from opake_compile.accounting._budgets import PrivacyBudget, _check_epsilon
 from opake_compile.accounting._fdp import advantage_from_profile, beta_from_profile, risk_from_profile
-from opake_compile.exceptions import ConfigurationError, InputTypeError
+from opake_compile.exceptions import ConfigurationError, InputTypeError, OpakeError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _numerical_failures(query: _F) -> _F:
+    """Report dp-accounting's numerical failures (a PLD grid too large to allocate, an
+    overflow) as ConfigurationError naming the process, rather than as NumPy's or Python's own
+    errors: they come from a process no accountant can evaluate (a noise multiplier so small
+    that epsilon is astronomically large), and a caller checking a budget must get the library's
+    error class."""
+
+    @functools.wraps(query)
+    def checked(self: Any, process: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return query(self, process, *args, **kwargs)
+        except OpakeError:
+            raise
+        except (ValueError, MemoryError, OverflowError, FloatingPointError, ZeroDivisionError) as err:
+            raise ConfigurationError(
+                f"{self!r} could not evaluate {process!r} ({type(err).__name__}: {err}); a noise "
+                "multiplier this small spends an epsilon too large to compute: raise it."
+            ) from err
+
+    return checked  # type: ignore[return-value]
 
 __all__ = ["Accountant", "PrivacyValue", "coarse_interval", "last_fitting"]
 
@@ -111,6 +136,7 @@ class Accountant:
         opts = "".join(f", {k}={v!r}" for k, v in self._options.items() if v is not None)
         return f"Accountant({self._method!r}{opts})"
 
+    @_numerical_failures
     def epsilon(self, process: Any, delta: float) -> float:
         """The epsilon (nats) ``process`` spends at failure probability ``delta``.
 
@@ -128,6 +154,7 @@ class Accountant:
         eps = float(accountant.get_epsilon(delta))
         return self._value(max(eps, 0.0), "epsilon")
 
+    @_numerical_failures
     def delta(self, process: Any, epsilon: float) -> float:
         """The delta ``process`` spends at privacy loss ``epsilon`` (nats).
 
@@ -151,6 +178,7 @@ class Accountant:
         process = _check_process(process)
         return privacy_profile(compose(self._method, self._options, process.to_dp_event(), self._pld_cache))
 
+    @_numerical_failures
     def advantage(self, process: Any) -> PrivacyValue:
         """max over membership tests of TPR - FPR, i.e. delta at epsilon = 0 (Dong, Roth and
         Su 2022). Pessimistic (never below the true advantage) with either method.
@@ -163,6 +191,7 @@ class Accountant:
         """
         return self._value(advantage_from_profile(self._profile(process)), "advantage")
 
+    @_numerical_failures
     def beta(self, process: Any, alpha: float) -> PrivacyValue:
         """The trade-off curve at ``alpha``: the smallest type-II error of a membership test
         with type-I error ``alpha``, from the privacy profile (Dong, Roth and Su 2022, Prop.
@@ -178,6 +207,7 @@ class Accountant:
         alpha = check_probability(alpha, name="alpha")
         return self._value(beta_from_profile(self._profile(process), alpha), "beta")
 
+    @_numerical_failures
     def risk(self, process: Any, prior: float) -> PrivacyValue:
         """The smallest Bayes error of a membership test at prior ``prior``:
         ``min(prior, 1 - prior) * (1 - delta(|log(prior / (1 - prior))|))``. Pessimistic: never
@@ -193,6 +223,7 @@ class Accountant:
         prior = check_probability(prior, name="prior")
         return self._value(risk_from_profile(self._profile(process), prior), "risk")
 
+    @_numerical_failures
     def max_steps(self, step_process: Any, budget: PrivacyBudget, *, limit: int = 10**7, exact: bool = True) -> int:
         """The largest k <= ``limit`` such that ``step_process * k`` stays within ``budget``.
 

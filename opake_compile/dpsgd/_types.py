@@ -8,12 +8,15 @@ noised result cannot be fed back into pytree maths (re-clipped, re-normed) by ac
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import optree
 import torch
 
 from opake_compile._markers import DPOutput
+from opake_compile.exceptions import ConfigurationError
 
 __all__ = ["ClippedPytree", "NoisedPytree", "ReleaseReceipt"]
 
@@ -115,10 +118,85 @@ class ClippedPytree(DPOutput):
     draw: Any = None
     receipts: tuple[ReleaseReceipt, ...] = dataclasses.field(default=(), repr=False)
 
+    def __post_init__(self) -> None:
+        # ``dataclasses.replace`` builds a new result around the same sum tensors (the README's
+        # way to attach a release). What the sums were made with stays theirs: a smaller
+        # ``clipping_norm`` would calibrate the noise below one example's contribution, a
+        # ``normalize_by`` set on an unnormalised sum would divide the noise alone
+        # (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping a
+        # release, a receipt or the draw would leave something made from the sample uncharged.
+        # Releases may only be added.
+        t = _first_tensor(self.grads)
+        if t is None:
+            return
+        made = (self.clipping_norm, self.normalize_by, self.releases, self.receipts, self.draw)
+        held = _MADE_WITH.get(id(t))
+        if held is not None and held[0]() is t:
+            c0, nb0, rel0, rec0, draw0 = held[1]
+            c, nb = self.clipping_norm, self.normalize_by
+            problem = None
+            if _is_number(c) and _is_number(c0) and c < c0:
+                problem = f"clipping_norm={c!r} below the {c0!r} the sums were clipped with (it may only be raised)"
+            elif nb != nb0:
+                problem = f"normalize_by={nb!r}, not the {nb0!r} the sums were made with"
+            elif tuple(self.releases[: len(rel0)]) != tuple(rel0) or tuple(self.receipts[: len(rec0)]) != tuple(rec0):
+                problem = f"releases {self.releases!r} that drop some of {rel0!r} (releases may only be added)"
+            elif draw0 is not None and self.draw != draw0:
+                problem = f"draw={self.draw!r}, not the {draw0!r} the sums came from"
+            if problem is not None:
+                raise ConfigurationError(
+                    f"This ClippedPytree is built around sums made earlier, with {problem}: the noise "
+                    "and the accounting read these fields, so they must say how the sums were made."
+                )
+            return
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            entry = _MADE_WITH.get(key)
+            if entry is not None and entry[0] is ref:
+                del _MADE_WITH[key]
+
+        _MADE_WITH[key] = [weakref.ref(t, forget), made]
+
     @property
     def batch_size(self) -> int:
         """Alias of :attr:`num_examples` (the realised, non-private batch size)."""
         return self.num_examples
+
+
+# id of a result's first sum tensor -> (weak reference to it, (clipping_norm, normalize_by,
+# releases, receipts, draw) of the first ClippedPytree built around it); see
+# ClippedPytree.__post_init__.
+_MADE_WITH: dict[int, list] = {}
+
+
+def lock_releases(clipped: ClippedPytree) -> None:
+    """Make ``clipped``'s releases and receipts part of its sums: a copy built around them may
+    no longer drop them (for releases the library attaches, such as adaptive clipping's count;
+    a caller's own additions stay optional, so that a refused attempt can be retried)."""
+    t = _first_tensor(clipped.grads)
+    held = None if t is None else _MADE_WITH.get(id(t))
+    if held is not None and held[0]() is t:
+        c0, nb0, _, _, draw0 = held[1]
+        held[1] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0)
+
+
+def _first_tensor(grads: Any) -> torch.Tensor | None:
+    if isinstance(grads, dict):
+        for v in grads.values():
+            if isinstance(v, torch.Tensor):
+                return v
+        return None
+    if isinstance(grads, torch.Tensor):
+        return grads
+    for v in optree.tree_leaves(grads, none_is_leaf=True):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

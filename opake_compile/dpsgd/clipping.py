@@ -35,7 +35,7 @@ from opake_compile import pytree as _pt
 from opake_compile._markers import reject_dp_output
 from opake_compile._validate import NotPrivateWarning, check_batch_size, check_clipping_norm
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import ClippedPytree, ReleaseReceipt, pending_receipt
+from opake_compile.dpsgd._types import ClippedPytree, ReleaseReceipt, lock_releases, pending_receipt
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -513,6 +513,7 @@ def adaptive_clipped_grad(
         result = dataclasses.replace(
             result, releases=result.releases + (count_release,), receipts=result.receipts + (receipt,)
         )
+        lock_releases(result)  # a copy that drops the count is refused
         return result, AdaptiveClipState(new_c, next_key)
 
     return grad_fn, AdaptiveClipState(c0, key)
@@ -547,16 +548,22 @@ def auto_clipped_grad(
     norm_by = _check_normalize_by(normalize_by)
 
     def normalise_and_sum(grads: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        norms = per_example_global_norms(grads)
+        # The numerical contract of clip_and_sum: float64 norms, R shrunk by the sum dtype's
+        # slack, factors rounded down, so that one example moves the float32 sum by at most R
+        # (with R itself and float32 norms, 1 + 8.4e-8 R: review).
+        _num.check_gradual_underflow()
+        sq, acc = _per_example_sq_norms(grads)
+        norms = sq.sqrt()
         kept = torch.isfinite(norms)
-        factor = torch.where(kept, r / (norms + stability_constant), torch.zeros_like(norms))
+        r_eff = r * _num.clip_scale(acc)
+        factor = _round_down(torch.where(kept, r_eff / (norms + stability_constant), torch.zeros_like(norms)), acc)
 
         def wsum(g: torch.Tensor) -> torch.Tensor:
             shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
             sel = torch.where(shaped, g, torch.zeros_like(g))
-            return (sel.to(factor.dtype) * factor.reshape(shaped.shape)).sum(0)
+            return (sel.to(acc) * factor.reshape(shaped.shape)).sum(0)
 
-        return optree.tree_map(wsum, grads), norms, kept
+        return optree.tree_map(wsum, grads), norms.to(acc), kept
 
     def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
         state = ClipState(r) if state is None else _checked_state(state)
