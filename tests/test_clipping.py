@@ -720,3 +720,20 @@ def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():
     fresh = ClippedPytree(grads={"w": got.grads["w"].clone()}, clipping_norm=0.5,
                           per_example_norms=got.per_example_norms, num_examples=2)
     assert fresh.clipping_norm == 0.5
+
+
+def test_adaptive_runs_seeded_alike_do_not_wait_on_each_other():
+    """Two adaptive clipping functions with the same key, stepped in lockstep (comparing two
+    optimizers on one seed): each state waits only for its own function's result."""
+    (fa, sa, params, x), (fb, sb, _, _) = _adaptive_setup(), _adaptive_setup()
+    noise_fn, ns = gaussian_noise(1.0, oprandom.key(8))
+    ra, sa = fa(params, x, state=sa)
+    rb, sb = fb(params, x, state=sb)
+    assert sa == sb
+    _, ns = noise_fn(ra, ns)
+    ra, sa = fa(params, x, state=sa)  # a's result was released; b's is pending, and not a's business
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        fb(params, x, state=sb)
+    _, ns = noise_fn(rb, ns)
+    rb, sb = fb(params, x, state=sb)
+    assert sa == sb

@@ -34,25 +34,21 @@ class ReleaseReceipt:
     or never taken).
     """
 
-    __slots__ = ("released", "_key")
+    __slots__ = ("released", "_key", "_pending")
 
-    def __init__(self, key: Any) -> None:
+    def __init__(self, key: Any, pending: dict[Any, ReleaseReceipt]) -> None:
         self.released = False
-        self._key = key
-        _PENDING[key] = self
+        self._key, self._pending = key, pending
+        pending[key] = self
 
     def __repr__(self) -> str:
         return f"ReleaseReceipt(released={self.released})"
 
 
-# State key -> the receipt of the result whose release the state's value waits for. An entry
-# leaves when its receipt is released; an unreleased one stays (the state it names is refused).
-_PENDING: dict[Any, ReleaseReceipt] = {}
-
-
-def pending_receipt(key: Any) -> ReleaseReceipt | None:
-    """The unreleased receipt a state with ``key`` waits for, or None."""
-    r = _PENDING.get(key)
+def pending_receipt(pending: dict[Any, ReleaseReceipt], key: Any) -> ReleaseReceipt | None:
+    """The unreleased receipt that a state with ``key`` waits for in ``pending`` (one map per
+    adaptive clipping function: runs seeded alike do not wait on each other), or None."""
+    r = pending.get(key)
     return None if r is None or r.released else r
 
 
@@ -60,8 +56,8 @@ def mark_released(clipped: "ClippedPytree") -> None:
     """Record that ``clipped`` (and what its receipts stand for) has been released."""
     for r in clipped.receipts:
         r.released = True
-        if _PENDING.get(r._key) is r:
-            del _PENDING[r._key]
+        if r._pending.get(r._key) is r:  # (an unreleased entry stays: its state is refused)
+            del r._pending[r._key]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

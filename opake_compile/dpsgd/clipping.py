@@ -484,10 +484,12 @@ def adaptive_clipped_grad(
         warnings.simplefilter("ignore", NotPrivateWarning)  # sigma_b = 0 was reported above
         count_release = _acc.gaussian(count_noise_multiplier)
 
+    pending: dict[Any, ReleaseReceipt] = {}  # next state's key -> the receipt it waits for
+
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
         state = _checked_state(state)
         cn = state.clipping_norm
-        if pending_receipt(state.key) is not None:
+        if pending_receipt(pending, state.key) is not None:
             raise ConfigurationError(
                 f"This AdaptiveClipState's clipping_norm={cn!r} was computed from the noisy count of "
                 "a call whose result has not been released (passed to DPOptimizer.step or "
@@ -509,7 +511,7 @@ def adaptive_clipped_grad(
         # DPOptimizer charges it with the gradient query (accounting.adaclip).
         # The next C is a release too, made into the state: it may be used only once the result
         # has been released (and so charged), see ReleaseReceipt.
-        receipt = ReleaseReceipt(next_key)
+        receipt = ReleaseReceipt(next_key, pending)
         result = dataclasses.replace(
             result, releases=result.releases + (count_release,), receipts=result.receipts + (receipt,)
         )
