@@ -104,15 +104,19 @@ def _mark_released(tensors: Any) -> None:
         _RELEASED[key] = weakref.ref(t, forget)
 
 
-def _check_noise_scale(std: float, targets: Mapping[str, torch.Tensor]) -> None:
-    """Refuse noise whose draws would overflow the parameters' dtype (inf or NaN weights, on a
-    step that would still be charged): std = sigma * C must stay 2^-7 of the largest value."""
+def _check_noise_scale(std: float, targets: Mapping[str, torch.Tensor], divisor: float) -> None:
+    """Refuse noise whose draws would overflow (inf or NaN weights, on a step that would still be
+    charged): std = sigma * C on the float32 (or float64) sum, and std / ``divisor`` (the
+    expected batch size) in each parameter's dtype, must each stay 2^-7 of the largest value."""
     for name, p in targets.items():
-        if p.dtype.is_floating_point and not (std * 128 <= torch.finfo(p.dtype).max):
+        if not p.dtype.is_floating_point:
+            continue
+        sum_max = torch.finfo(torch.float64 if p.dtype == torch.float64 else torch.float32).max
+        if not (std * 128 <= sum_max and std * 128 / divisor <= torch.finfo(p.dtype).max):
             raise ConfigurationError(
-                f"The noise std sigma * C = {std!r} overflows {name}'s dtype {p.dtype} (largest "
-                f"{torch.finfo(p.dtype).max:.3g}): the update would be inf or NaN. Lower the "
-                "clipping norm or the noise multiplier."
+                f"The noise std sigma * C = {std!r} (on the sum; {std / divisor!r} on the gradient) "
+                f"overflows {name}'s dtype {p.dtype} (largest {torch.finfo(p.dtype).max:.3g}): the "
+                "update would be inf or NaN. Lower the clipping norm or the noise multiplier."
             )
 
 
@@ -594,7 +598,7 @@ class DPOptimizer:
             self._check_budget(runs, step_process, charge)
         next_key, draw_key = _random.split(self._key, 2)
         std = self.noise_multiplier * c if self.noise_multiplier > 0 else 0.0
-        _check_noise_scale(std, targets)
+        _check_noise_scale(std, targets, self.expected_batch_size)
         noised = add_gaussian_noise(clipped.grads, std, draw_key)
         # Validation and noise are done: from here on the state changes.
         def commit() -> None:
@@ -675,7 +679,7 @@ class DPOptimizer:
                 f"{self.max_steps()} step(s) of {self._noise_fn!r} with {type(self.sampler).__name__}. "
                 "No state was changed."
             )
-        _check_noise_scale(self.noise_multiplier * clipped.clipping_norm, targets)
+        _check_noise_scale(self.noise_multiplier * clipped.clipping_norm, targets, self.expected_batch_size)
         noised, new_state = self._noise_fn(clipped, self._noise_state)
 
         def commit() -> None:

@@ -29,6 +29,7 @@ from opake_compile import accounting as acc
 from opake_compile._validate import NotPrivateWarning
 from opake_compile.dpsgd.clipping import adaptive_clipped_grad, clipped_grad
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError, PrivacyBudgetExhaustedError
+from opake_compile.dpsgd import ClippedPytree
 from opake_compile.optim import DPOptimizer, accumulate
 from opake_compile.sampling import PoissonSampler, draw_loader
 
@@ -576,3 +577,22 @@ def test_accounting_failures_are_the_librarys_errors():
         acc.Accountant().epsilon(process, DELTA)
     with pytest.raises(ConfigurationError, match="too small"):
         acc.dpsgd_step_process(1e-300, 0.1)
+
+
+def test_the_noise_bound_reads_the_gradient_after_division_in_half_precision():
+    """float16 weights: sigma * C = 1000 on the sum is 1 on the gradient at q N = 1000 (fine);
+    sigma * C = 1e9 is 1e6 there, past float16's 65504 (refused, nothing changed)."""
+    w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    sampler = PoissonSampler(2000, 0.5, key=opake.random.key(1))
+    for sigma, ok in ((10.0, True), (1e7, False)):
+        opt = DPOptimizer(torch.optim.SGD([w], lr=0.0), noise_multiplier=sigma, sampler=sampler, key=opake.random.key(int(sigma)))
+        b = next(iter(sampler))
+        clipped = ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=100.0, per_example_norms=torch.zeros(len(b)),
+                                num_examples=len(b), parameters={"w": w})
+        if ok:
+            opt.step(clipped, draw=b)
+            assert torch.isfinite(w.grad).all() and opt.steps == 1
+        else:
+            with pytest.raises(ConfigurationError, match="overflows"):
+                opt.step(clipped, draw=b)
+            assert opt.steps == 0
