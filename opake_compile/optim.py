@@ -720,6 +720,15 @@ class DPOptimizer:
             )
         named = named if named is not None else clipped.draw
         handed_out = getattr(self.sampler, "draws_handed_out", None)
+        if handed_out is not None and handed_out < self._draws_charged:
+            raise ConfigurationError(
+                f"The sampler has handed out {handed_out} draw(s) but this optimizer has charged "
+                f"{self._draws_charged}: the sampler is behind the optimizer (rewound with "
+                "load_state_dict, or a checkpoint restored without the sampler's state), so its next "
+                "draws repeat samples already released. Restore the sampler's state with the "
+                "optimizer's (Checkpointer.save(..., sampler=sampler); with the Opacus shim, "
+                "the data loader's sampler_ too)."
+            )
         if named is not None:
             if named.source != getattr(self.sampler, "_id", None):
                 raise ConfigurationError(
@@ -740,14 +749,6 @@ class DPOptimizer:
                 )
             return named.seq + 1 - self._draws_charged, named.seq + 1
         pending = 0 if handed_out is None else handed_out - self._draws_charged
-        if pending < 0:
-            raise ConfigurationError(
-                f"The sampler has handed out {handed_out} draw(s) but this optimizer has charged "
-                f"{self._draws_charged}: the sampler is behind the optimizer (rewound with "
-                "load_state_dict, or a checkpoint restored without the sampler's state), so its next "
-                "draws repeat samples already released. Restore the sampler's state with the "
-                "optimizer's (Checkpointer.save(..., sampler=sampler))."
-            )
         if pending == 0 and handed_out is not None:
             raise ConfigurationError(
                 "The sampler handed out no draw since the last charged step"

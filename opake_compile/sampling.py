@@ -111,6 +111,18 @@ def draw_of(value: Any) -> DrawId | None:
     )
 
 
+def _draws_charged_from(sampler: Any) -> int:
+    """How many of ``sampler``'s draws the live DPOptimizer charging it has charged (0: none)."""
+    from opake_compile.optim import _CHARGERS
+
+    try:
+        ref = _CHARGERS.get(sampler)
+    except TypeError:  # not weakly referenceable: never registered
+        return 0
+    opt = None if ref is None else ref()
+    return 0 if opt is None else opt._draws_charged
+
+
 class PoissonSampler(Sampler[list[int]]):
     """Batch sampler where every index joins every batch independently with probability q.
 
@@ -431,6 +443,14 @@ class PoissonSampler(Sampler[list[int]]):
             for run in history
         ):
             raise CheckpointError("Invalid history in PoissonSampler state (runs [epoch, step, seq, count]).")
+        charged = _draws_charged_from(self)
+        if handed_out < charged:
+            raise CheckpointError(
+                f"This state has handed out {handed_out} draw(s), but a live DPOptimizer has charged "
+                f"{charged} of this sampler's: rewinding it would hand the released samples out again "
+                "under new numbers, charged as new draws. Restore an earlier state into fresh "
+                "objects (a new sampler and optimizer), both from the same checkpoint."
+            )
         if position == self._steps:
             epoch, position = epoch + 1, 0
         self._epoch = epoch

@@ -701,6 +701,12 @@ def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():
     got, _ = grad_fn(params, _t([[1.0, 2.0], [4.0, 0.5]]), state=st)
     with pytest.raises(ConfigurationError, match="may only be raised"):
         dataclasses.replace(got, clipping_norm=0.1)
+    two, _ = clipped_grad(lambda p, x: (p["w"] * x).sum() + p["b"] * x.sum(), batch_argnums=1, clipping_norm=1.0)[0](
+        {"w": _t([3.0, -1.0]), "b": _t(0.5)}, _t([[1.0, 2.0], [4.0, 0.5]]))
+    with pytest.raises(ConfigurationError, match="may only be raised"):  # any sum tensor, in any order (review)
+        dataclasses.replace(two, grads={"b": two.grads["b"], "w": two.grads["w"]}, clipping_norm=0.001)
+    with pytest.raises(ConfigurationError, match="may only be raised"):
+        dataclasses.replace(two, grads={"b": two.grads["b"]}, clipping_norm=0.001)
     with pytest.raises(ConfigurationError, match="normalize_by=1000.0"):
         dataclasses.replace(got, normalize_by=1000.0)
     assert dataclasses.replace(got, clipping_norm=2.0).clipping_norm == 2.0  # more noise: allowed

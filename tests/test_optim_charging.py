@@ -520,22 +520,27 @@ def test_a_sampler_behind_the_optimizer_is_refused():
     """A sampler rewound (or restored without its state) behind the optimizer's charged draws
     made the pending count negative, and such a step passed as a new draw: the same samples were
     released again (review: 9 repeated draws charged as new ones, epsilon 3.53 reported against
-    5.74) and whole-data-set sums were charged at rate q."""
+    5.74) and whole-data-set sums were charged at rate q. A rewound sampler whose released
+    positions came back under new numbers (batch_at) passed as well (second review)."""
     opt, sampler, clip, params = _run_epoch()
     saved = sampler.state_dict()
     for b in sampler:
         opt.step(clip(b), draw=b)
     charged = opt.steps
-    sampler.load_state_dict(saved)  # rewound
-    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(CheckpointError, match="rewinding"):
+        sampler.load_state_dict(saved)  # the live sampler of a live optimizer: not rewound
+    assert sampler.draws_handed_out == charged
+    # A checkpoint restored without the sampler: a fresh sampler is behind the optimizer.
+    opt2, fresh, clip2, params2 = _run_epoch()
+    opt2.load_state_dict(opt.state_dict())
+    before = {k: v.detach().clone() for k, v in params2.items()}
     with pytest.raises(ConfigurationError, match="behind the optimizer"):
-        opt.step(clip(range(40)))
-    b = next(iter(sampler))
-    with pytest.raises(ConfigurationError, match="already charged"):
-        opt.step(clip(b), draw=b)
-    with pytest.raises(ConfigurationError, match="behind the optimizer"):
-        opt.step(clip(b))
-    assert opt.steps == charged and all(torch.equal(before[k], params[k]) for k in params)
+        opt2.step(clip2(range(40)))
+    b = next(iter(fresh))
+    for draw in (b, None):  # named or not, the message names the cause
+        with pytest.raises(ConfigurationError, match="behind the optimizer"):
+            opt2.step(clip2(b), draw=draw)
+    assert opt2.steps == charged and all(torch.equal(before[k], params2[k]) for k in params2)
 
 
 def test_a_draw_not_handed_out_is_refused():

@@ -40,7 +40,8 @@ def _numerical_failures(query: _F) -> _F:
         except (ValueError, MemoryError, OverflowError, FloatingPointError, ZeroDivisionError) as err:
             raise ConfigurationError(
                 f"{self!r} could not evaluate {process!r} ({type(err).__name__}: {err}); a noise "
-                "multiplier this small spends an epsilon too large to compute: raise it."
+                "multiplier this small spends an epsilon too large to compute: raise it, or ask "
+                "Accountant('rdp') (an upper bound that needs no grid)."
             ) from err
 
     return checked  # type: ignore[return-value]

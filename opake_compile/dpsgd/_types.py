@@ -8,7 +8,6 @@ noised result cannot be fed back into pytree maths (re-clipped, re-normed) by ac
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -116,43 +115,41 @@ class ClippedPytree(DPOutput):
 
     def __post_init__(self) -> None:
         # ``dataclasses.replace`` builds a new result around the same sum tensors (the README's
-        # way to attach a release). What the sums were made with stays theirs: a smaller
-        # ``clipping_norm`` would calibrate the noise below one example's contribution, a
-        # ``normalize_by`` set on an unnormalised sum would divide the noise alone
-        # (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping a
-        # release, a receipt or the draw would leave something made from the sample uncharged.
-        # Releases may only be added.
-        t = _first_tensor(self.grads)
-        if t is None:
-            return
-        made = (self.clipping_norm, self.normalize_by, self.releases, self.receipts, self.draw)
-        held = _MADE_WITH.get(id(t))
-        if held is not None and held[0]() is t:
-            c0, nb0, rel0, rec0, draw0 = held[1]
-            c, nb = self.clipping_norm, self.normalize_by
-            problem = None
-            if _is_number(c) and _is_number(c0) and c < c0:
-                problem = f"clipping_norm={c!r} below the {c0!r} the sums were clipped with (it may only be raised)"
-            elif nb != nb0:
-                problem = f"normalize_by={nb!r}, not the {nb0!r} the sums were made with"
-            elif tuple(self.releases[: len(rel0)]) != tuple(rel0) or tuple(self.receipts[: len(rec0)]) != tuple(rec0):
-                problem = f"releases {self.releases!r} that drop some of {rel0!r} (releases may only be added)"
-            elif draw0 is not None and self.draw != draw0:
-                problem = f"draw={self.draw!r}, not the {draw0!r} the sums came from"
-            if problem is not None:
-                raise ConfigurationError(
-                    f"This ClippedPytree is built around sums made earlier, with {problem}: the noise "
-                    "and the accounting read these fields, so they must say how the sums were made."
-                )
-            return
-        key = id(t)
+        # way to attach a release). What the sums were made with stays theirs, recorded on each
+        # sum tensor: a smaller ``clipping_norm`` would calibrate the noise below one example's
+        # contribution, a ``normalize_by`` set on an unnormalised sum would divide the noise
+        # alone (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping
+        # a release, a receipt or the draw would leave something made from the sample
+        # uncharged. Releases may only be added.
+        tensors = _tensors(self.grads)
+        made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw)
+        fresh = []
+        for t in tensors:
+            held = getattr(t, _MADE, None)
+            if held is None:
+                fresh.append(t)
+            else:
+                self._check_made_with(held)
+        for t in fresh:
+            setattr(t, _MADE, made)
 
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            entry = _MADE_WITH.get(key)
-            if entry is not None and entry[0] is ref:
-                del _MADE_WITH[key]
-
-        _MADE_WITH[key] = [weakref.ref(t, forget), made]
+    def _check_made_with(self, held: tuple) -> None:
+        c0, nb0, rel0, rec0, draw0 = held
+        c, nb = self.clipping_norm, self.normalize_by
+        problem = None
+        if _is_number(c) and _is_number(c0) and c < c0:
+            problem = f"clipping_norm={c!r} below the {c0!r} the sums were clipped with (it may only be raised)"
+        elif nb != nb0:
+            problem = f"normalize_by={nb!r}, not the {nb0!r} the sums were made with"
+        elif tuple(self.releases[: len(rel0)]) != rel0 or tuple(self.receipts[: len(rec0)]) != rec0:
+            problem = f"releases {self.releases!r} that drop some of {rel0!r} (releases may only be added)"
+        elif draw0 is not None and self.draw != draw0:
+            problem = f"draw={self.draw!r}, not the {draw0!r} the sums came from"
+        if problem is not None:
+            raise ConfigurationError(
+                f"This ClippedPytree is built around sums made earlier, with {problem}: the noise "
+                "and the accounting read these fields, so they must say how the sums were made."
+            )
 
     @property
     def batch_size(self) -> int:
@@ -160,35 +157,28 @@ class ClippedPytree(DPOutput):
         return self.num_examples
 
 
-# id of a result's first sum tensor -> (weak reference to it, (clipping_norm, normalize_by,
-# releases, receipts, draw) of the first ClippedPytree built around it); see
-# ClippedPytree.__post_init__.
-_MADE_WITH: dict[int, list] = {}
+# The attribute each sum tensor carries: (clipping_norm, normalize_by, releases, receipts, draw)
+# of the first ClippedPytree built around it (see ClippedPytree.__post_init__). On the tensor,
+# so that it lives exactly as long as the sum; a clone is a new sum.
+_MADE = "_opake_made_with"
 
 
 def lock_releases(clipped: ClippedPytree) -> None:
-    """Make ``clipped``'s releases and receipts part of its sums: a copy built around them may
-    no longer drop them (for releases the library attaches, such as adaptive clipping's count;
-    a caller's own additions stay optional, so that a refused attempt can be retried)."""
-    t = _first_tensor(clipped.grads)
-    held = None if t is None else _MADE_WITH.get(id(t))
-    if held is not None and held[0]() is t:
-        c0, nb0, _, _, draw0 = held[1]
-        held[1] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0)
+    """Make ``clipped``'s releases and receipts part of its sums: a copy built around any of
+    them may no longer drop them (for releases the library attaches, such as adaptive
+    clipping's count; a caller's own additions stay optional, so that a refused attempt can be
+    retried)."""
+    for t in _tensors(clipped.grads):
+        c0, nb0, _, _, draw0 = getattr(t, _MADE)
+        setattr(t, _MADE, (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0))
 
 
-def _first_tensor(grads: Any) -> torch.Tensor | None:
+def _tensors(grads: Any) -> list[torch.Tensor]:
     if isinstance(grads, dict):
-        for v in grads.values():
-            if isinstance(v, torch.Tensor):
-                return v
-        return None
+        return [v for v in grads.values() if isinstance(v, torch.Tensor)]
     if isinstance(grads, torch.Tensor):
-        return grads
-    for v in optree.tree_leaves(grads, none_is_leaf=True):
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
+        return [grads]
+    return [v for v in optree.tree_leaves(grads, none_is_leaf=True) if isinstance(v, torch.Tensor)]
 
 
 def _is_number(x: Any) -> bool:
