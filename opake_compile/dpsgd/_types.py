@@ -121,17 +121,17 @@ class ClippedPytree(DPOutput):
         # alone (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping
         # a release, a receipt or the draw would leave something made from the sample
         # uncharged. Releases may only be added.
-        tensors = _tensors(self.grads)
-        made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw)
         fresh = []
-        for t in tensors:
-            held = getattr(t, _MADE, None)
+        for t in _tensors(self.grads):
+            held = t.__dict__.get(_MADE)
             if held is None:
                 fresh.append(t)
-            else:
-                self._check_made_with(held)
-        for t in fresh:
-            setattr(t, _MADE, made)
+            elif held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw):
+                self._check_made_with(held)  # (the same fields pass without the detailed test)
+        if fresh:
+            made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw)
+            for t in fresh:
+                t.__dict__[_MADE] = made
 
     def _check_made_with(self, held: tuple) -> None:
         c0, nb0, rel0, rec0, draw0 = held
@@ -169,11 +169,13 @@ def lock_releases(clipped: ClippedPytree) -> None:
     clipping's count; a caller's own additions stay optional, so that a refused attempt can be
     retried)."""
     for t in _tensors(clipped.grads):
-        c0, nb0, _, _, draw0 = getattr(t, _MADE)
-        setattr(t, _MADE, (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0))
+        c0, nb0, _, _, draw0 = t.__dict__[_MADE]
+        t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0)
 
 
 def _tensors(grads: Any) -> list[torch.Tensor]:
+    if type(grads) is dict:
+        return [v for v in grads.values() if isinstance(v, torch.Tensor)]
     if isinstance(grads, dict):
         return [v for v in grads.values() if isinstance(v, torch.Tensor)]
     if isinstance(grads, torch.Tensor):
