@@ -174,8 +174,6 @@ def lock_releases(clipped: ClippedPytree) -> None:
 
 
 def _tensors(grads: Any) -> list[torch.Tensor]:
-    if type(grads) is dict:
-        return [v for v in grads.values() if isinstance(v, torch.Tensor)]
     if isinstance(grads, dict):
         return [v for v in grads.values() if isinstance(v, torch.Tensor)]
     if isinstance(grads, torch.Tensor):

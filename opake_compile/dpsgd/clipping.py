@@ -188,14 +188,19 @@ def clip_and_sum(
     c_eff = clipping_norm * _num.clip_scale(acc)
     factor = torch.clamp(c_eff / norms64, max=1.0)
     factor = _round_down(torch.where(kept, factor, torch.zeros_like(factor)), acc)
+    return _weighted_sum(per_example_tree, kept, factor, acc), norms64.to(acc), kept
+
+
+def _weighted_sum(per_example_tree: Any, kept: torch.Tensor, factor: torch.Tensor, acc: torch.dtype) -> Any:
+    """``sum_i factor_i g_i`` per leaf in ``acc``, rows not ``kept`` selected away (never
+    multiplied by zero: a non-finite row would give NaN)."""
 
     def weighted_sum(g: torch.Tensor) -> torch.Tensor:
         shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
         selected = torch.where(shaped, g, torch.zeros_like(g))
-        f = factor.reshape(-1, *([1] * (g.dim() - 1)))
-        return (selected.to(acc) * f).sum(dim=0)
+        return (selected.to(acc) * factor.reshape(shaped.shape)).sum(dim=0)
 
-    return optree.tree_map(weighted_sum, per_example_tree), norms64.to(acc), kept
+    return optree.tree_map(weighted_sum, per_example_tree)
 
 
 def _normalise_argnums(value: int | Sequence[int], name: str) -> tuple[int, ...]:
@@ -559,13 +564,7 @@ def auto_clipped_grad(
         kept = torch.isfinite(norms)
         r_eff = r * _num.clip_scale(acc)
         factor = _round_down(torch.where(kept, r_eff / (norms + stability_constant), torch.zeros_like(norms)), acc)
-
-        def wsum(g: torch.Tensor) -> torch.Tensor:
-            shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
-            sel = torch.where(shaped, g, torch.zeros_like(g))
-            return (sel.to(acc) * factor.reshape(shaped.shape)).sum(0)
-
-        return optree.tree_map(wsum, grads), norms.to(acc), kept
+        return _weighted_sum(grads, kept, factor, acc), norms.to(acc), kept
 
     def grad_fn(*args: Any, state: ClipState | None = None) -> tuple[ClippedPytree, ClipState]:
         state = ClipState(r) if state is None else _checked_state(state)
