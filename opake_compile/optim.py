@@ -69,6 +69,16 @@ _SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _CHARGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _draws_charged_from(sampler: Any) -> int:
+    """How many of ``sampler``'s draws the live DPOptimizer charging it has charged (0: none)."""
+    try:
+        ref = _CHARGERS.get(sampler)
+    except TypeError:  # not weakly referenceable: never registered
+        return 0
+    opt = None if ref is None else ref()
+    return 0 if opt is None else opt._draws_charged
+
+
 def _was_released(t: Any) -> bool:
     ref = _RELEASED.get(id(t))
     return ref is not None and ref() is t

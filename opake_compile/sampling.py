@@ -111,18 +111,6 @@ def draw_of(value: Any) -> DrawId | None:
     )
 
 
-def _draws_charged_from(sampler: Any) -> int:
-    """How many of ``sampler``'s draws the live DPOptimizer charging it has charged (0: none)."""
-    from opake_compile.optim import _CHARGERS
-
-    try:
-        ref = _CHARGERS.get(sampler)
-    except TypeError:  # not weakly referenceable: never registered
-        return 0
-    opt = None if ref is None else ref()
-    return 0 if opt is None else opt._draws_charged
-
-
 class PoissonSampler(Sampler[list[int]]):
     """Batch sampler where every index joins every batch independently with probability q.
 
@@ -443,6 +431,8 @@ class PoissonSampler(Sampler[list[int]]):
             for run in history
         ):
             raise CheckpointError("Invalid history in PoissonSampler state (runs [epoch, step, seq, count]).")
+        from opake_compile.optim import _draws_charged_from
+
         charged = _draws_charged_from(self)
         if handed_out < charged:
             raise CheckpointError(
