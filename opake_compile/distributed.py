@@ -366,6 +366,12 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
             f"{name} expects the unnormalised clipped sum; this one was divided by "
             f"normalize_by={clipped.normalize_by}. DPOptimizer normalises after the reduction."
         )
+    if clipped.num_ranks != 1:
+        raise ConfigurationError(
+            f"{name} expects this rank's own clipped sum; this one is already the sum over "
+            f"{clipped.num_ranks} ranks: summing it again would add every example {clipped.num_ranks} "
+            "times (sensitivity above C). Call it once per step, on the local sum."
+        )
     if not is_distributed():
         return clipped
     device = _collective_device()
@@ -513,6 +519,83 @@ def check_same_key(key: oprandom.Key) -> None:
         raise ConfigurationError(
             f"Rank(s) {differ} hold a different noise key than rank 0. Every DPOptimizer must use "
             "the same key (distributed.broadcast_key) so that the noise is added once."
+        )
+
+
+def check_step_agreement(
+    optimizer: Any, clipped: ClippedPytree, draw: Any, draw_size: int | None, failure: BaseException | None
+) -> None:
+    """The group check of ``DPOptimizer.step`` (collective: one ``all_gather_object``): every
+    rank's step must be the same step of the same mechanism on disjoint shards, or every rank
+    refuses it, before anything changes.
+
+    Compared across ranks: the noise key (:func:`check_same_key`), the noise multiplier, the
+    sampler's ``sample_rate`` and ``dataset_size``, the optimizer's step and draw counts, the
+    sampler's draws handed out and the draw named; the samplers' ranks must be ``0 .. W-1``,
+    each once (two ranks sampling one shard add its examples twice: sensitivity 2C). The
+    global sum's ``num_examples`` may not exceed the ranks' local draws added up (a shard
+    summed whole, or a sum passed through :func:`sum_gradients` twice, holds more). A rank
+    whose own checks failed (``failure``) re-raises its error; the others raise naming it.
+    Disagreements are reported first (they usually explain a rank's failure).
+
+    Raises:
+        ConfigurationError: on every rank, naming what differs (or the rank that failed).
+    """
+    from opake_compile.sampling import draw_of
+
+    named = draw_of(draw) or clipped.draw
+    mine = {
+        "key": optimizer._key.words,
+        "noise_multiplier": float(optimizer.noise_multiplier),
+        "sample_rate": float(getattr(optimizer.sampler, "sample_rate", float("nan"))),
+        "dataset_size": getattr(optimizer.sampler, "dataset_size", None),
+        "steps": optimizer.steps,
+        "draws_charged": optimizer._draws_charged,
+        "draws_handed_out": getattr(optimizer.sampler, "draws_handed_out", None),
+        "draw": None if named is None else (named.epoch, named.step, named.seq),
+        "correlated_noise": None if optimizer._plan is None else optimizer._plan.kind,
+        "sampler_rank": getattr(optimizer.sampler, "rank", None),
+        "draw_size": draw_size,
+        "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
+    }
+    world = dist.get_world_size()
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    differ = [r for r, g in enumerate(gathered) if g["key"] != gathered[0]["key"]]
+    if differ:
+        raise ConfigurationError(
+            f"Rank(s) {differ} hold a different noise key than rank 0. Every DPOptimizer must use "
+            "the same key (distributed.broadcast_key) so that the noise is added once."
+        )
+    for field in ("noise_multiplier", "sample_rate", "dataset_size", "correlated_noise", "steps",
+                  "draws_charged", "draws_handed_out", "draw"):
+        values = [g[field] for g in gathered]
+        odd = [r for r, v in enumerate(values) if not _same(v, values[0])]
+        if odd:
+            raise ConfigurationError(
+                f"Ranks disagree on {field} (rank 0: {values[0]!r}, rank {odd[0]}: {values[odd[0]]!r}): "
+                "every rank must take the same step of the same mechanism (same noise multiplier, "
+                "sampler configuration and position). Nothing changed."
+            )
+    ranks = [g["sampler_rank"] for g in gathered]
+    if None in ranks or sorted(ranks) != list(range(world)):
+        raise ConfigurationError(
+            f"The ranks' samplers draw as sampler ranks {ranks}, not 0..{world - 1} once each: two "
+            "ranks sampling one shard add its examples twice (sensitivity 2C). Leave "
+            "DistributedPoissonSampler's rank= to the process group (or pass each process its global rank)."
+        )
+    if failure is not None:
+        raise failure
+    failed = [(r, g["failure"]) for r, g in enumerate(gathered) if g["failure"] is not None]
+    if failed:
+        r, why = failed[0]
+        raise ConfigurationError(f"Rank {r} refused this step ({why}); every rank refuses it with it. Nothing changed.")
+    sizes = [g["draw_size"] for g in gathered]
+    if all(v is not None for v in sizes) and clipped.num_examples > sum(sizes):
+        raise ConfigurationError(
+            f"The global clipped sum holds {clipped.num_examples} examples but the ranks' draws of this "
+            f"step hold {sum(sizes)} together ({sizes}): a sum was reduced twice, a shard was summed "
+            "beyond its draw, or the rows were not the ones the samplers drew. Nothing changed."
         )
 
 

@@ -585,23 +585,25 @@ class DPOptimizer:
                     f"opake_compile.distributed.DistributedPoissonSampler (one Poisson sample of the "
                     f"whole dataset, split across ranks), not {type(self.sampler).__name__}."
                 )
-            from opake_compile.distributed import check_same_key
+            from opake_compile.distributed import check_step_agreement
 
-            check_same_key(self._key)  # different keys: each rank's replica a separate noisy release
-        c = clipped.clipping_norm
-        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):  # NaN included
-            raise ConfigurationError(
-                f"The ClippedPytree's clipping_norm={c!r} is not a positive number: the noise is "
-                "scaled by it, so it must be the C the sum was clipped with."
-            )
-        if math.isinf(c) and self.noise_multiplier > 0:
-            raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")
-        targets = self._match_parameters(clipped)
-        charge, draws_charged = self._charge(clipped, draw)
-        self._check_draw_size(clipped, draw, draws_charged)
+            # Every rank validates, then all of them compare in one collective and refuse
+            # together: a rank refusing alone would leave the others waiting in the collective.
+            failure, checked = None, None
+            try:
+                checked = self._validate_step(clipped, draw)
+            except (ConfigurationError, InputTypeError) as err:
+                failure = err
+            size = None if checked is None else self._draw_size(draw, checked[2])
+            check_step_agreement(self, clipped, draw, size, failure)
+            targets, charge, draws_charged = checked
+        else:
+            targets, charge, draws_charged = self._validate_step(clipped, draw)
+            self._check_draw_size(clipped, draw, draws_charged)
         if self._plan is not None:
             self._mf_step(clipped, targets, charge, draws_charged, draw)
             return
+        c = clipped.clipping_norm
         step_process = self._release_process(clipped.releases)
         runs = _append_run(self._runs, step_process, charge)
         if self.budget is not None:
@@ -620,6 +622,33 @@ class DPOptimizer:
 
         self._write_and_step(noised, targets, commit)
 
+    def _validate_step(self, clipped: ClippedPytree, draw: Any) -> tuple[dict[str, torch.Tensor], int, int]:
+        """The checks of a step that read only this process's state: ``(targets, Poisson
+        steps to charge, draws charged afterwards)``."""
+        c = clipped.clipping_norm
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0):  # NaN included
+            raise ConfigurationError(
+                f"The ClippedPytree's clipping_norm={c!r} is not a positive number: the noise is "
+                "scaled by it, so it must be the C the sum was clipped with."
+            )
+        if math.isinf(c) and self.noise_multiplier > 0:
+            raise ConfigurationError("clipping_norm=inf cannot be privatised with noise_multiplier > 0.")
+        targets = self._match_parameters(clipped)
+        charge, draws_charged = self._charge(clipped, draw)
+        return targets, charge, draws_charged
+
+    def _draw_size(self, draw: Any, draws_charged: int) -> int | None:
+        """How many examples the draw this step is charged for holds (the one named, or else
+        the one pending: sequence number ``draws_charged - 1``), or ``None`` if unknown."""
+        from opake_compile.sampling import Draw
+
+        if isinstance(draw, Draw):
+            return len(draw)
+        size_of = getattr(self.sampler, "_size_of", None)
+        if size_of is None or getattr(self.sampler, "draws_handed_out", None) is None:
+            return None
+        return size_of(draws_charged - 1)
+
     def _check_draw_size(self, clipped: ClippedPytree, draw: Any, draws_charged: int) -> None:
         """Refuse a sum of more examples than the draw this step is charged for holds.
 
@@ -630,18 +659,7 @@ class DPOptimizer:
         beside a pending Poisson draw): one example could then move the sum by more than C, or
         the batch was not sampled at rate q, while one Poisson step is charged.
         """
-        if clipped.num_ranks != 1:
-            return  # summed over ranks, the count is global and a rank's draw local: no bound here
-        from opake_compile.sampling import Draw
-
-        if isinstance(draw, Draw):
-            size, seq = len(draw), draw.id.seq
-        else:
-            size_of = getattr(self.sampler, "_size_of", None)
-            if size_of is None or getattr(self.sampler, "draws_handed_out", None) is None:
-                return
-            seq = draws_charged - 1
-            size = size_of(seq)
+        size, seq = self._draw_size(draw, draws_charged), draws_charged - 1
         if size is not None and clipped.num_examples > size:
             raise ConfigurationError(
                 f"The clipped sum holds {clipped.num_examples} examples but draw {seq}, the one this "

@@ -64,8 +64,10 @@ def _local(idx: list[int], rank: int) -> list[int]:
 
 
 def _config_sampler(rank: int | None = None, world_size: int | None = None) -> D.DistributedPoissonSampler:
-    """Only supplies q and N to DPOptimizer: the batches are fixed, with q N = B."""
-    return D.DistributedPoissonSampler(N, Q, key=oprandom.key(1), rank=rank, world_size=world_size)
+    """The fixed batches' sampler: q = 1 over B examples, so q N = B and every draw holds B
+    examples over the ranks (the optimizer refuses a global sum of more examples than the
+    ranks' draws hold together)."""
+    return D.DistributedPoissonSampler(B, 1.0, key=oprandom.key(1), rank=rank, world_size=world_size)
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -153,6 +155,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         except ConfigurationError as err:
             refusals[name] = str(err)
     res["group_refusals"] = refusals
+    res["group_hostile"] = _group_hostile_scenario(rank, x, y)
 
     # Plain non-private DDP on the same local batches (mean loss; DDP averages over ranks).
     ddp_case = mlp_case(0, dtype=torch.float64)
@@ -229,6 +232,43 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     torch.save(res, Path(out) / f"rank{rank}.pt")
+
+
+def _group_hostile_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """A review's ways to have one example move the released sum by more than C, or to run
+    another mechanism than the one charged, in a group: each must be refused on every rank
+    before anything changes; the honest step beside them goes through."""
+    out: dict = {}
+    case = mlp_case(0, dtype=torch.float64)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend=None, physical_batch_size=8)
+    shard = list(range(rank, N, WORLD))
+
+    def attempt(name: str, sampler_kw: dict, rows, sigma: float = 1.0, twice: bool = False) -> None:
+        kw = {"rank": None, "q": Q} | sampler_kw
+        sampler = D.DistributedPoissonSampler(N, kw["q"], key=oprandom.key(2), rank=kw["rank"])
+        opt = DPOptimizer(torch.optim.SGD(case.model.parameters(), lr=0.1), noise_multiplier=sigma,
+                          sampler=sampler, key=oprandom.key(8))
+        local = next(iter(sampler))
+        picked = [shard[p] for p in local] if rows is None else rows
+        before = (_params(case.model), opt.steps, opt.epsilon(1e-5))
+        try:
+            clipped = D.sum_gradients(step(x[picked], y[picked]).clipped)
+            if twice:
+                clipped = D.sum_gradients(clipped)
+            opt.step(clipped)
+            out[name] = "accepted"
+        except ConfigurationError as err:
+            out[name] = str(err)
+            after = (_params(case.model), opt.steps, opt.epsilon(1e-5))
+            out[name + "_unchanged"] = _same_view({"p": before[0]}, {"p": after[0]}) and before[1:] == after[1:]
+
+    attempt("honest", {}, None)
+    attempt("summed_twice", {}, None, twice=True)
+    attempt("one_sampler_rank", {"rank": 0}, None)  # both ranks sample shard 0
+    attempt("sample_rates", {"q": Q * (1 + 3 * rank)}, None)
+    attempt("noise_multipliers", {}, None, sigma=1.0 / (1 + rank))
+    attempt("whole_shard", {}, shard)  # every example of the shard, stepped on as one draw
+    return out
 
 
 def _inplace_tree(rank: int) -> dict:
@@ -465,6 +505,26 @@ def test_per_rank_keys_and_plain_samplers_are_refused_in_a_group(runs):
     for res in runs:
         assert "different noise key" in res["group_refusals"]["keys"]
         assert "DistributedPoissonSampler" in res["group_refusals"]["sampler"]
+
+
+def test_group_refuses_steps_that_release_more_than_they_charge(runs):
+    """Sums reduced twice, two ranks sampling one shard, a whole shard stepped on as one draw
+    (sensitivity or sample rate above what is charged), and ranks on different noise
+    multipliers or sample rates (another mechanism per replica): refused on every rank, nothing
+    changed; the honest step is accepted."""
+    want = {
+        "summed_twice": "already the sum over 2 ranks",
+        "one_sampler_rank": "sampler ranks [0, 0]",
+        "sample_rates": "disagree on sample_rate",
+        "noise_multipliers": "disagree on noise_multiplier",
+        "whole_shard": "the ranks' draws of this step hold",
+    }
+    for res in runs:
+        got = res["group_hostile"]
+        assert got["honest"] == "accepted"
+        for name, text in want.items():
+            assert text in got[name], (name, got[name])
+            assert got.get(name + "_unchanged", True), name
 
 
 def test_empty_local_batch_completes_the_step(runs):
