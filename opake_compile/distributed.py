@@ -50,6 +50,13 @@ Requirements (otherwise results are wrong or a collective hangs):
   the kernel launch configuration);
 * Gloo reduces CPU tensors, NCCL CUDA tensors; keep parameters on the backend's device.
 
+What ``DPOptimizer.step`` checks in a group (one collective, refused on every rank before
+anything changes): the same key, noise multiplier, sampler
+configuration and position on every rank; samplers of distinct ranks; a global sum of no more
+examples than the ranks' draws hold together. :func:`sum_gradients` refuses a sum that was
+already reduced. What it cannot check is the rows themselves (as in one process: the
+optimizer sees counts, not examples).
+
 Not privatised, and documented so where returned: the per-example norms of a reduced
 ``ClippedPytree`` stay *local* (this rank's examples only); its ``num_examples`` and
 ``num_nonfinite`` are the *global* realised counts.
@@ -522,7 +529,7 @@ def check_same_key(key: oprandom.Key) -> None:
         )
 
 
-def check_step_agreement(
+def _check_step_agreement(
     optimizer: Any, clipped: ClippedPytree, draw: Any, draw_size: int | None, failure: BaseException | None
 ) -> None:
     """The group check of ``DPOptimizer.step`` (collective: one ``all_gather_object``): every

@@ -543,7 +543,10 @@ class DPOptimizer:
                 no draw named while the sampler has none pending (never iterated included); more
                 examples than the draw charged (named, or the one pending) holds; another ``DPOptimizer`` charging this
                 sampler; in a process group, a sampler that is not a
-                ``DistributedPoissonSampler`` of its size, or ranks holding different keys.
+                ``DistributedPoissonSampler`` of its size, or ranks that disagree on the key, the
+                noise multiplier, the sampler's q, N or position, share a sampler rank, or
+                whose draws together hold fewer examples than the global sum
+                (refused on every rank, before anything changes).
 
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
         """
@@ -585,7 +588,7 @@ class DPOptimizer:
                     f"opake_compile.distributed.DistributedPoissonSampler (one Poisson sample of the "
                     f"whole dataset, split across ranks), not {type(self.sampler).__name__}."
                 )
-            from opake_compile.distributed import check_step_agreement
+            from opake_compile.distributed import _check_step_agreement
 
             # Every rank validates, then all of them compare in one collective and refuse
             # together: a rank refusing alone would leave the others waiting in the collective.
@@ -595,7 +598,7 @@ class DPOptimizer:
             except (ConfigurationError, InputTypeError) as err:
                 failure = err
             size = None if checked is None else self._draw_size(draw, checked[2])
-            check_step_agreement(self, clipped, draw, size, failure)
+            _check_step_agreement(self, clipped, draw, size, failure)
             targets, charge, draws_charged = checked
         else:
             targets, charge, draws_charged = self._validate_step(clipped, draw)
