@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         target_epsilon=args.epsilon, target_delta=delta, clipping_norm=args.clipping_norm,
         expected_batch_size=args.batch_size, max_length=args.seq_len, dp_backend=args.backend,
         dp_seed=None,  # fresh OS entropy: the noise must not be predictable
+        log_training_loss=args.plot is not None,  # for the plot: not privatised, and saved in checkpoints
     )
     trainer = DPTrainer(private_model, dp_args, train_dataset=rows(x_priv), processing_class=tok)
     out = trainer.train()

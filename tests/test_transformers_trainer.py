@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers.Trainer needs it
 
 from opake_compile import accounting as acc  # noqa: E402
-from opake_compile.exceptions import ConfigurationError, PrivacyBudgetExhaustedError  # noqa: E402
+from opake_compile.exceptions import CheckpointError, ConfigurationError, PrivacyBudgetExhaustedError  # noqa: E402
 from opake_compile.transformers import DPTrainer, TrainingArguments  # noqa: E402
 
 VOCAB, T = 48, 8
@@ -101,7 +101,7 @@ def test_epsilon_logged_equals_accountant(tmp_path):
     assert q == pytest.approx(0.1) and out.privacy["dataset_size"] == n
     accountant = acc.Accountant("pld")
     step = acc.dpsgd_step_process(sigma, q, dataset_size=n)
-    logged = [h for h in trainer.state.log_history if "epsilon" in h and "loss" in h]
+    logged = [h for h in trainer.state.log_history if "epsilon" in h and "learning_rate" in h]
     assert [h["step"] for h in logged] == [1, 2, 3]
     for h in logged:
         assert h["epsilon"] == pytest.approx(accountant.epsilon(step * h["step"], 1e-5), rel=1e-9)
@@ -133,6 +133,27 @@ def _reference_update(rows, reduce: str, lr: float) -> list[torch.Tensor]:
         for g, d in zip(grads, torch.autograd.grad(loss, list(model.parameters()))):
             g += d
     return [p.detach() - lr * g / len(rows) for p, g in zip(model.parameters(), grads)]
+
+
+def test_training_loss_is_logged_only_when_asked(tmp_path):
+    """The training loss is a noise-free statistic of the private batches, and the Trainer's
+    logs are saved in every checkpoint's trainer_state.json (uploaded by push_to_hub) and sent
+    to the report_to integrations: by default no log holds it; log_training_loss=True logs it."""
+    import json
+
+    for opted in (False, True):
+        out_dir = tmp_path / str(opted)
+        args = dp_args(out_dir, noise_multiplier=1.0, expected_batch_size=4, max_steps=2, dp_backend=None,
+                       save_strategy="steps", save_steps=2, log_training_loss=opted)
+        trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(20))
+        out = quiet(trainer.train)
+        saved = json.loads((out_dir / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+        for history in (trainer.state.log_history, saved):
+            keys = {k for h in history for k in h}
+            assert ("loss" in keys) == opted, (opted, keys)
+            assert "epsilon" in keys
+        assert ("train_loss" in {k for h in trainer.state.log_history for k in h}) == opted
+        assert math.isfinite(out.training_loss)  # returned to the caller, not logged
 
 
 def test_per_example_normalisation_not_batch_divisor(tmp_path):
@@ -197,7 +218,13 @@ def test_resume_continues_epsilon_and_randomness(tmp_path):
     out_full = quiet(full.train)
     assert (tmp_path / "full" / "checkpoint-2" / "dp_state").is_dir()
     resumed = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "full", **kw), train_dataset=rows)
-    out = quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    # checkpoint-4 is newer: resuming from checkpoint-2 replays steps 3-4's noise (a review
+    # resumed on edited rows and read their clipped sums' difference without noise), so it
+    # takes rewind=True, here for the bit-for-bit comparison on the same rows.
+    with pytest.raises(CheckpointError, match="older than checkpoint-4"):
+        quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert all(torch.equal(a, b) for a, b in zip(tiny_gpt2().parameters(), resumed.model.parameters()))
+    out = quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"), rewind=True)
     assert out.global_step == 4 and resumed.dp_optimizer.steps == 4
     assert out.epsilon == out_full.epsilon
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):

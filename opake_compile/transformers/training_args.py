@@ -8,6 +8,10 @@ Fields added to :class:`transformers.TrainingArguments`, by concern:
 * batches: exactly one of ``expected_batch_size`` (q N) and ``sample_rate`` (q) sets the logical
   Poisson batch; ``per_device_train_batch_size`` is the physical chunk the compiled step runs
   (it never changes what is computed, only memory); ``poisson_sampling`` must stay ``True``;
+* logging: ``log_training_loss`` (default ``False``: the training loss is a noise-free
+  statistic of the private batches, and the Trainer's logs go into every checkpoint's
+  ``trainer_state.json``, ``push_to_hub`` and the ``report_to`` integrations; set it to log
+  ``loss`` and ``train_loss`` anyway, not privatised);
 * compute: ``max_length`` (every training sequence is padded or cut to it, so the compiled step
   never recompiles; default: the longest training sequence, with a warning, since that length is
   a statistic of the private data: set a public bound), ``dp_backend`` (the ``compile_dp``
@@ -88,6 +92,12 @@ class TrainingArguments(transformers.TrainingArguments):
     dp_backend: str | None = dataclasses.field(
         default="inductor",
         metadata={"help": "compile_dp backend: 'inductor', 'aot_eager', ...; None runs the traced graph as is."},
+    )
+    # -- logging ---------------------------------------------------------------------------
+    log_training_loss: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Log the training loss (NOT privatised: a noise-free statistic of the private batches) "
+                  "into log_history, checkpoints' trainer_state.json and every report_to integration."},
     )
 
     def to_dict(self) -> dict[str, Any]:

@@ -143,8 +143,9 @@ class DPTrainer(transformers.Trainer):
     clipping and shuffled sampler are not DP and are not used) with the Trainer's callbacks
     (``on_train_begin``, ``on_step_begin/end``, ``on_log``, ``on_save``, ``on_evaluate``,
     ``on_train_end``; the tqdm bar), its optimizer and scheduler (``create_optimizer``,
-    ``create_scheduler``), ``log`` (every ``logging_steps``: ``loss`` **not privatised**,
-    ``learning_rate``, ``epsilon``), ``evaluate`` and ``save_model``.
+    ``create_scheduler``), ``log`` (every ``logging_steps``: ``learning_rate``, ``epsilon``, and
+    with ``log_training_loss=True`` the ``loss``, **not privatised**: logs are saved in every
+    checkpoint and sent to the ``report_to`` integrations), ``evaluate`` and ``save_model``.
 
     The loss: ``compute_loss(model, inputs)`` (override it as with ``Trainer``) is traced per
     example: its value on a batch of one example is that example's loss, so a mean over tokens is
@@ -413,7 +414,7 @@ class DPTrainer(transformers.Trainer):
                 shutil.rmtree(p, ignore_errors=True)
         return out
 
-    def _resume_path(self, resume_from_checkpoint: Any) -> Path | None:
+    def _resume_path(self, resume_from_checkpoint: Any, rewind: bool) -> Path | None:
         if resume_from_checkpoint is None or resume_from_checkpoint is False:
             return None
         if resume_from_checkpoint is True:
@@ -421,7 +422,29 @@ class DPTrainer(transformers.Trainer):
             if last is None:
                 raise CheckpointError(f"No checkpoint-* directory in output_dir={self.args.output_dir!r} to resume from.")
             return Path(last)
-        return Path(resume_from_checkpoint)
+        path = Path(resume_from_checkpoint)
+        # As Checkpointer.load: a checkpoint older than one saved after it replays the noise
+        # of the steps in between; on other rows, the two runs' updates differ by the
+        # clipped sums' difference without noise.
+        match = _CHECKPOINT_DIR.match(path.name)
+        if match is not None and not rewind:
+            newer = sorted(
+                p.name
+                for folder in {path.parent, Path(self.args.output_dir)}
+                if folder.is_dir()
+                for p in folder.iterdir()
+                if (m := _CHECKPOINT_DIR.match(p.name)) and int(m.group(1)) > int(match.group(1))
+                and (p / _DP_STATE_DIR).is_dir()
+            )
+            if newer:
+                raise CheckpointError(
+                    f"{path} is older than {newer[-1]}: resuming from it replays the noise of the steps "
+                    "taken after it, and if anything those steps computed was seen (checkpoints, logs, "
+                    "models), the replayed steps on other data release the difference without noise. "
+                    "Resume from the newest checkpoint, or pass train(..., rewind=True) if nothing "
+                    "after this checkpoint was ever seen."
+                )
+        return path
 
     # ----------------------------------------------------------------- training
     def train(
@@ -429,6 +452,8 @@ class DPTrainer(transformers.Trainer):
         resume_from_checkpoint: str | bool | None = None,
         trial: Any = None,
         ignore_keys_for_eval: list[str] | None = None,
+        *,
+        rewind: bool = False,
         **kwargs: Any,
     ) -> TrainOutput:
         """Train with DP-SGD; see the class docstring.
@@ -436,20 +461,24 @@ class DPTrainer(transformers.Trainer):
         Args:
             resume_from_checkpoint: ``True`` (the newest ``checkpoint-*`` in ``output_dir``) or a
                 checkpoint directory; everything random and every step charged is restored.
+            rewind: allow resuming from a checkpoint older than another ``checkpoint-*`` (beside
+                it or in ``output_dir``): it replays the later steps' noise, so only if nothing
+                computed after it was ever seen.
 
         Returns:
             :class:`~opake_compile.transformers.trainer.types.TrainOutput` (epsilon spent and the
             privacy configuration; ``training_loss`` is not privatised).
 
         Raises:
-            CheckpointError: no or a mismatching checkpoint (another sigma, q, C, shape...).
+            CheckpointError: no or a mismatching checkpoint (another sigma, q, C, shape...); a
+                checkpoint older than another one, without ``rewind=True``.
             PrivacyBudgetExhaustedError: see the class docstring.
         """
         if trial is not None:
             raise ConfigurationError("Hyper-parameter search trials are not supported by DPTrainer (each trial spends privacy).")
         args = self.args
         self.model.train()
-        resume = self._resume_path(resume_from_checkpoint)
+        resume = self._resume_path(resume_from_checkpoint, rewind)
         root_key = None
         if resume is not None:
             found = Checkpointer(resume / _DP_STATE_DIR / _ROOT_DIR).restore_state(root_key=_random.key(0))
@@ -511,10 +540,11 @@ class DPTrainer(transformers.Trainer):
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
                 if self.control.should_log:
                     logs = {
-                        "loss": loss_sum / loss_count if loss_count else float("nan"),
                         "learning_rate": float(self.lr_scheduler.get_last_lr()[0]),
                         "epsilon": self.epsilon(),
                     }
+                    if args.log_training_loss:  # not privatised: the user opted in
+                        logs = {"loss": loss_sum / loss_count if loss_count else float("nan"), **logs}
                     loss_sum, loss_count = 0.0, 0
                     self.log(logs)
                     self.control.should_log = False
@@ -538,7 +568,8 @@ class DPTrainer(transformers.Trainer):
             "noise_multiplier": self.dp_noise_multiplier,
         }
         train_loss = total_sum / total_count if total_count else float("nan")
-        metrics["train_loss"] = train_loss
+        if args.log_training_loss:
+            metrics["train_loss"] = train_loss
         self.log(dict(metrics))
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         return TrainOutput(
