@@ -602,3 +602,79 @@ def test_the_arity_check_reads_a_decorators_own_signature():
 
     step = compile_dp(wrapper, model=nn.Linear(3, 2), clipping_norm=1.0, backend="aot_eager")
     assert step({"x": torch.randn(4, 3), "y": torch.tensor([0, 1, 0, 1])}).clipped.num_examples == 4
+
+
+# ----------------------------------------------------------- one norm form per parameter
+def _moved(a: ClippedPytree, b: ClippedPytree) -> float:
+    return math.sqrt(sum(float((a.grads[k].double() - b.grads[k].double()).square().sum()) for k in a.grads))
+
+
+class _CancellingLinear(nn.Module):
+    """A linear layer beside a large frozen buffer (a lookup table, a frozen backbone)."""
+
+    def __init__(self, cin: int = 240, cout: int = 256) -> None:
+        super().__init__()
+        self.lin = nn.Linear(cin, cout, bias=False)
+        with torch.no_grad():
+            self.lin.weight.mul_(1e-3)
+        self.register_buffer("table", torch.zeros(1_000_000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def _cancelling_rows(n: int, k: int, d: int, seed: int = 0) -> torch.Tensor:
+    """Examples of k positions in +v / -v pairs: each gradient nearly cancels, where the Gram
+    form's norm bound sits far above the exact norm of a formed gradient."""
+    v = torch.randn(d, generator=torch.Generator().manual_seed(seed))
+    one = torch.cat([v.expand(k // 2, d), -v.expand(k // 2, d)])
+    return one.expand(n, k, d).clone()
+
+
+def test_norm_form_does_not_depend_on_the_physical_size():
+    """Default buckets: the batch size picks the physical size P. The memory budget of the
+    direct sums counted the parameters and buffers too, so a layer took the Gram form at P = 12
+    and the direct sum at P = 11; on cancelling examples their norms differ 13x, and removing
+    one example moved the sum by 10.8 C (hostile review). Now the budget counts what grows with
+    P only: one form at every size, and removing an example moves the sum by at most C."""
+    torch.manual_seed(0)
+    c = 1e-4
+    step = compile_dp(lambda m, x: F.logsigmoid(m(x)).sum(), model=_CancellingLinear(), clipping_norm=c, backend="aot_eager")
+    results = {n: step(_cancelling_rows(n, 120, 240)) for n in (16, 12, 11, 6)}
+    assert len(step.physical_sizes) >= 3  # several graphs were built
+    assert len({r.coverage["lin.weight"] for r in results.values()}) == 1
+    for big, small in ((16, 12), (12, 11), (11, 6)):
+        # big - small identical examples: at most (big - small) C apart, as sensitivity allows
+        assert _moved(results[big].clipped, results[small].clipped) <= (big - small) * c * (1 + 1e-6)
+    assert _moved(results[12].clipped, results[11].clipped) > 0  # (before the fix: 10.8 C at this pair)
+
+
+def test_a_shape_that_changes_a_norm_form_is_refused():
+    """Batches padded to their longest sequence: with one example of 100 positions the layer
+    took the direct sum, without it (50 positions) the mixed form, and removing that example
+    moved the sum by 19.6 C (hostile review). A graph whose norm form differs from the step's
+    other graphs is refused, before anything runs; one fixed length trains."""
+    torch.manual_seed(0)
+    d, n, c = 64, 20, 1e-4
+    model = nn.Linear(d, d, bias=False)
+    with torch.no_grad():
+        model.weight.mul_(1e-3)
+
+    def loss(m, x, mask):
+        return (F.logsigmoid(m(x)) * mask[..., None]).sum()
+
+    def padded(seqs, t=None):
+        t = t or max(s.shape[0] for s in seqs)
+        x, mask = torch.zeros(len(seqs), t, d), torch.zeros(len(seqs), t)
+        for i, s in enumerate(seqs):
+            x[i, : s.shape[0]], mask[i, : s.shape[0]] = s, 1
+        return x, mask
+
+    short, long_ = _cancelling_rows(1, 50, d)[0], torch.randn(100, d)
+    step = compile_dp(loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=n + 1)
+    with_long = step(*padded([short] * n + [long_]))
+    with pytest.raises(UnsupportedOperationError, match="another norm form at this input shape"):
+        step(*padded([short] * n))
+    assert step.num_calls == 1 and len(step._cache) == 1  # the refused graph is not kept
+    fixed = step(*padded([short] * n, t=100))  # the public length: same graph, accepted
+    assert _moved(with_long.clipped, fixed.clipped) <= c * (1 + 1e-6)

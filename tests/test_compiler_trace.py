@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from _models import embedding_case, lora_case, mlp_case, conv2d_case, seeded
 from opake_compile.compiler.trace import InputLayout, check_model_supported, trace_per_example_grads
+from opake_compile import compile_dp
 from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
 
 
@@ -399,3 +400,75 @@ def test_empty_cache_attention_under_inductor():
     want, _ = loop_reference(model, _attn_loss, (x,), 0.5)
     for k, g in out.clipped.grads.items():
         torch.testing.assert_close(g.double(), want[k], rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------- batching rules written by the user
+class _MixesTheBatch(torch.autograd.Function):
+    """Identity per example, but its own vmap rule adds the batch mean to every example."""
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+    @staticmethod
+    def vmap(info, in_dims, x):
+        if in_dims[0] is None:
+            return x.clone(), None
+        x = x.movedim(in_dims[0], 0)
+        return x + 100.0 * x.mean(0, keepdim=True), 0
+
+
+class _VmappedOpByOp(torch.autograd.Function):
+    generate_vmap_rule = True  # its forward is vmapped op by op: accepted
+
+    @staticmethod
+    def forward(x):
+        return x.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+@torch.library.custom_op("opake_test::mixes_the_batch", mutates_args=())
+def _mixes_the_batch(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+_mixes_the_batch.register_fake(lambda x: torch.empty_like(x))
+_mixes_the_batch.register_autograd(lambda ctx, g: g)
+
+
+@torch.library.register_vmap("opake_test::mixes_the_batch")
+def _mixes_the_batch_vmap(info, in_dims, x):
+    if in_dims[0] is None:
+        return x.clone(), None
+    x = x.movedim(in_dims[0], 0)
+    return x + 100.0 * x.mean(0, keepdim=True), 0
+
+
+@pytest.mark.parametrize("op, what", [(_MixesTheBatch.apply, "autograd.Function _MixesTheBatch"),
+                                      (_mixes_the_batch, "Custom operator opake_test::mixes_the_batch")])
+def test_batching_rules_written_by_the_user_are_refused(op, what):
+    """A rule that sees the whole batch can mix examples (a hostile review: replacing one moved
+    the clipped sum by 11 C); compile_dp cannot check it, so it refuses it, naming it."""
+    m = nn.Linear(4, 1)
+    step = compile_dp(lambda m, x: m(op(x)).sum(), model=m, clipping_norm=1.0, backend="aot_eager", physical_batch_size=8)
+    with pytest.raises(UnsupportedOperationError, match=what):
+        step(torch.randn(8, 4))
+    ok = compile_dp(lambda m, x: m(_VmappedOpByOp.apply(x)).sum(), model=m, clipping_norm=1.0, backend="aot_eager", physical_batch_size=8)
+    x = torch.randn(8, 4)
+    moved = ok(x).clipped.grads["weight"] - ok(torch.cat([x[:7], torch.full((1, 4), 50.0)])).clipped.grads["weight"]
+    assert float(moved.norm()) <= 2.0 * (1 + 1e-6)  # replacing one example: at most 2 C

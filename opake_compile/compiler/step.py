@@ -52,7 +52,7 @@ from opake_compile.compiler.passes.memory import split_grouped_weight_grads
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
-from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
+from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError, UnsupportedOperationError
 
 __all__ = ["DPStep", "DPStepResult", "compile_dp"]
 
@@ -84,6 +84,7 @@ class _Compiled:
     reports: list[PassReport]
     coverage: dict[str, str]
     fn: Callable[..., Any]
+    methods: dict[str, str] = dataclasses.field(default_factory=dict)  # see _check_same_methods
 
 
 def _default_physical_batch_size(n: int) -> int:
@@ -471,6 +472,14 @@ class DPStep:
         self.num_traces += 1
         layout = traced.layout
         clip_input = len(layout.trainable) + len(layout.others)
+        # The batched inputs (and the mask) grow with P: the rewrites size their memory budget
+        # by what is computed from them, so that their choices do not depend on P.
+        placeholders = [n for n in traced.gm.graph.nodes if n.op == "placeholder"]
+        leaves = placeholders[clip_input + 2 :]
+        kinds = [k for k in layout.leaf_kinds if k != "const"]
+        traced.gm.meta["opake_batched_inputs"] = {placeholders[clip_input + 1].name} | {
+            n.name for n, k in zip(leaves, kinds) if k == "batched"
+        }
         passes = [lambda gm: insert_clipping(gm, param_names=layout.trainable, clip_input=clip_input)]
         passes += self._rewrites
         passes.append(split_grouped_weight_grads)  # same values, smaller peak memory
@@ -478,10 +487,42 @@ class DPStep:
         coverage: dict[str, str] = {}
         for r in reports:
             coverage.update(r.coverage)
+        methods = dict(coverage)
+        for r in reports:
+            methods.update(getattr(r, "methods", {}))
+        self._check_same_methods(sig, methods)
         fn = lower(traced.gm, self.backend, self._counter)
-        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn)
+        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn, methods=methods)
         self._cache[sig] = compiled
         return compiled
+
+    def _check_same_methods(self, sig: Any, methods: dict[str, str]) -> None:
+        """Refuse a graph whose norm form differs, for a parameter, from the step's other graphs.
+
+        The forms bound an example's norm differently on cancelling data (the Gram form's
+        rounding bound, float32 or float64, the mixed product, the exact norm of a formed
+        gradient): if the batch decided the form (its size picking the physical size, or its
+        longest sequence the length), removing one example would change every other example's
+        clip factor, and the sum could move by much more than C (a hostile review: 19.6 C when
+        the longest example set the padded length). Every graph of one step must therefore form
+        each parameter's norm the same way. (Graphs for another model state, mode, dtype or
+        matrix-product precision are not compared: those are the user's settings, not the batch.)
+        """
+        static = _shape_free(sig)
+        for other_sig, other in self._cache.items():
+            if _shape_free(other_sig) != static:
+                continue  # another model state, mode, dtype or precision setting: not the batch's doing
+            for name, method in methods.items():
+                was = other.methods.get(name)
+                if was is not None and was != method:
+                    raise UnsupportedOperationError(
+                        f"Parameter {name!r} would take another norm form at this input shape "
+                        f"({method!r}) than at an earlier one ({was!r}). An example's clip factor may "
+                        "not depend on the batch it came in (its size or its longest sequence), or one "
+                        "example could move the others' contributions: pad batched inputs to one fixed, "
+                        "public length, or fix the path with GhostClipping(force={...}). Nothing was "
+                        "computed or spent."
+                    )
 
     def _run(
         self,
@@ -625,6 +666,14 @@ class DPStep:
         )
         coverage = self.coverage or {k: "empty batch" for k in trainable}
         return DPStepResult(loss=torch.tensor(float("nan"), device=device), clipped=clipped, coverage=coverage)
+
+
+def _shape_free(sig: Any) -> Any:
+    """A graph signature (``(DPStep._signature, P)``) without what a batch decides: the
+    physical size and the batched leaves' dimensions."""
+    (treedef, parts, *rest), _ = sig
+    kept = tuple((part[0], part[1], part[3]) if len(part) == 4 and part[0] is True else part for part in parts)
+    return (treedef, kept, *rest)
 
 
 def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:

@@ -323,6 +323,59 @@ def _is_zeros(node: fx.Node) -> bool:
     return node.target in fill and len(node.args) > fill[node.target] and node.args[fill[node.target]] == 0
 
 
+def _foreign(owner: Any) -> bool:
+    return not str(getattr(owner, "__module__", "") or "").startswith("opake_compile")
+
+
+@contextlib.contextmanager
+def _own_batching_rules_only() -> Iterator[None]:
+    """Refuse, while tracing, code that batches itself: an ``autograd.Function`` with its own
+    ``vmap`` staticmethod, or a ``torch.library.custom_op`` with a ``register_vmap`` rule. A
+    batching rule sees the whole batch, and nothing checks that it keeps examples apart (a
+    hostile review's ``x + 100 * x.mean(0)`` moved the clipped sum by 11 C when one example was
+    replaced). ``generate_vmap_rule=True`` is accepted: its forward is vmapped op by op.
+    (Rules registered with ``torch.library.register_vmap`` on operators defined by
+    ``torch.library.Library`` are not seen here.)"""
+    import torch.autograd.function as autograd_function
+    from torch._library import custom_ops
+
+    original = autograd_function.custom_function_call
+
+    def guarded(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(cls, "generate_vmap_rule", False) and cls.vmap is not torch.autograd.Function.vmap and _foreign(cls):
+            raise UnsupportedOperationError(
+                f"autograd.Function {cls.__qualname__} has its own vmap rule: compile_dp cannot check that "
+                "it keeps the examples of a batch apart (a rule that mixes them breaks the clipping bound). "
+                "Set generate_vmap_rule = True (its forward is then vmapped op by op), or write it with "
+                "torch ops."
+            )
+        return original(cls, *args, **kwargs)
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def rule(*args: Any, **kwargs: Any) -> Any:
+            raise UnsupportedOperationError(
+                f"Custom operator {name} has a vmap rule (register_vmap): compile_dp cannot check that it "
+                "keeps the examples of a batch apart. Register no vmap rule (torch then loops over the "
+                "examples, or raises), or write the operator with torch ops."
+            )
+
+        return rule
+
+    swapped = []
+    for name, opdef in list(custom_ops.OPDEFS.items()):
+        rule = getattr(opdef, "_vmap_fn", None)
+        if rule is not None and _foreign(rule):
+            swapped.append((opdef, rule))
+            opdef._vmap_fn = refuse(name)
+    autograd_function.custom_function_call = guarded
+    try:
+        yield
+    finally:
+        autograd_function.custom_function_call = original
+        for opdef, rule in swapped:
+            opdef._vmap_fn = rule
+
+
 def trace_per_example_grads(
     model: nn.Module,
     loss_fn: Callable[..., Any],
@@ -426,7 +479,7 @@ def trace_per_example_grads(
     try:
         # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
         with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws), \
-                _input_checks.recording() as recorder:
+                _input_checks.recording() as recorder, _own_batching_rules_only():
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
             )

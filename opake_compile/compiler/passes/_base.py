@@ -22,6 +22,9 @@ class PassReport:
         coverage: parameter name -> path label (e.g. ``"materialized"``, ``"ghost:linear"``)
             for the parameters this pass decided.
         notes: parameter name -> why the pass left it alone (shown by ``DPStep.describe``).
+        methods: parameter name -> what fixes its norm's value beyond rounding (the form of
+            each block and its precisions); ``DPStep`` refuses graphs of one step that differ
+            in it (an example's norm must not depend on the batch it came in).
     """
 
     name: str
@@ -29,6 +32,7 @@ class PassReport:
     matches: dict[str, int] = dataclasses.field(default_factory=dict)
     coverage: dict[str, str] = dataclasses.field(default_factory=dict)
     notes: dict[str, str] = dataclasses.field(default_factory=dict)
+    methods: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class GraphPass(Protocol):

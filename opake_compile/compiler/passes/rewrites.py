@@ -416,6 +416,7 @@ def _ghost_clipping(
     matches: dict[str, int] = {}
     coverage: dict[str, str] = {}
     notes: dict[str, str] = {}
+    methods: dict[str, str] = {}
     grams: dict = {}  # Gram matrices shared between parameters (see emit_sq_norm)
     forward = _loss_ancestors(out_node)
     direct: dict[str, str] = {}
@@ -444,7 +445,7 @@ def _ghost_clipping(
         grams_before = dict(grams)
         done = False
         try:
-            label, why, used = _rewrite_parameter(
+            label, why, used, method = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
                 bookkeeping, grams, kept, factor, clip, sum_acc, all_kept, forward,
             )
@@ -452,7 +453,7 @@ def _ghost_clipping(
         except _RuleFailed as err:
             if wanted != "auto":
                 raise ConfigurationError(f"force={{{name!r}: {wanted!r}}}: {err}.") from err.__cause__
-            label, why, used = None, f"{err}; kept on the materialised path", None
+            label, why, used, method = None, f"{err}; kept on the materialised path", None, None
         finally:
             if not done:  # the sums use the norm-side nodes: erase them first
                 em_out.erase_since(0)
@@ -461,13 +462,17 @@ def _ghost_clipping(
                 grams.update(grams_before)
         if label is not None:
             coverage[name] = label
+        if method is not None:
+            methods[name] = method
         if why is not None:
             notes[name] = why
         for rule in used or ():
             matches[rule] = matches.get(rule, 0) + 1
     if not all_kept.users:
         graph.erase_node(all_kept)
-    return PassReport(name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes)
+    return PassReport(
+        name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes, methods=methods
+    )
 
 
 def _rewrite_parameter(
@@ -509,13 +514,13 @@ def _rewrite_parameter(
         if len(shape(g)) == 2:
             # Biases and normalisation affine parameters: the per-example gradient is a
             # (P, d) vector, as small as the activations it comes from. Nothing to gain.
-            return "direct (per-example vector)", None, None
+            return "direct (per-example vector)", None, None, None
         if _elementwise_reduction(g):
             # LayerNorm / RMSNorm affine weights over several dims: the per-example gradient is
             # a sum over positions of an elementwise product, no larger than the activation
             # it is read from and formed in one pass over it. Nothing to gain either.
-            return DIRECT_ELEMENTWISE, None, None
-        return None, why, None
+            return DIRECT_ELEMENTWISE, None, None, None
+        return None, why, None, None
     found = _Match([[_mark_inputs(f, forward) for f in block] for block in found.blocks], found.cat_dim)
     factors = found.factors
     rules = "+".join(sorted({f.rule for f in factors}))
@@ -525,7 +530,7 @@ def _rewrite_parameter(
     for block in found.blocks:
         plan = _plan(block, p, wanted, sum_acc)
         if plan[0] == "materialized":
-            return "materialized (cheaper than ghost)", plan[1], None
+            return "materialized (cheaper than ghost)", plan[1], None, None
         plans.append(plan)
     try:
         sqs, masses, sums = [], [], []
@@ -563,7 +568,13 @@ def _rewrite_parameter(
     for f in factors:
         for node in f.cleanup:
             em.graph.erase_node(node)
-    return label, None, [f.rule for f in factors]
+    # What fixes this parameter's norm values beyond rounding: each block's form and its
+    # precisions (DPStep compares it across the graphs of one step, see _ghost_clipping).
+    method = label + " " + ", ".join(
+        f"{mode}/{dtype if mode == 'ghost' else mixed_product_dtype(block, sum_acc)}"
+        for block, (mode, dtype) in zip(found.blocks, plans)
+    )
+    return label, None, [f.rule for f in factors], method
 
 
 def _loss_ancestors(out_node: fx.Node) -> frozenset[fx.Node]:
@@ -800,11 +811,28 @@ def _survey(
 
 def _baseline_bytes(graph: fx.Graph, forward: frozenset[fx.Node]) -> int:
     """A floor on the step's peak memory: its placeholders (parameters, inputs) and the forward
-    values the backward reads (saved activations), each storage counted once."""
+    values the backward reads (saved activations), each storage counted once.
+
+    In a graph of :class:`~opake_compile.compiler.step.DPStep` (which names its batched inputs
+    in ``gm.meta["opake_batched_inputs"]``) only the values computed from the batch count:
+    they grow with the physical size P and the per-example gradients do too, so which layers
+    fit the budget is the same at every P. Counting the parameters as well made the choice
+    depend on P, hence on the batch size: a hostile review's batch of 12 took the Gram form
+    and one of 11 the direct sum, whose norms differ on cancelling data, so removing one
+    example moved every other example's clip factor (10.8 C in all)."""
+    batched_names = getattr(graph.owning_module, "meta", {}).get("opake_batched_inputs")
+    batched: set[fx.Node] | None = None
+    if batched_names is not None:
+        batched = set()
+        for node in graph.nodes:
+            if (node.op == "placeholder" and node.name in batched_names) or any(a in batched for a in node.all_input_nodes):
+                batched.add(node)
     held: set[fx.Node] = set()
     for node in graph.nodes:
         if node.op == "placeholder" or (node in forward and any(u not in forward for u in node.users)):
-            held.add(view_root(node))
+            root = view_root(node)
+            if batched is None or root in batched:
+                held.add(root)
     return sum(_nbytes(n) for n in held)
 
 
