@@ -322,7 +322,12 @@ class DPOptimizer:
             noise_multiplier, key = self._noise_fn.noise_multiplier, self._noise_state.key
             self._plan = self._noise_fn.accounting_plan(sampler)  # refuses with the reason
         if noise_multiplier is None or key is None:
-            raise InputTypeError("DPOptimizer needs noise_multiplier= and key= (or noise=).")
+            missing = " and ".join(n for n, v in (("noise_multiplier=", noise_multiplier), ("key=", key)) if v is None)
+            raise InputTypeError(
+                f"DPOptimizer needs {missing} (or noise=...). The key draws the noise: a fresh secret one is "
+                "opake_compile.random.random_key() (OS entropy); save it with the checkpoint, and never "
+                "publish it (whoever holds it can subtract the noise)."
+            )
         self._noise_multiplier = check_noise_multiplier(noise_multiplier)
         if self._plan is None and not getattr(sampler, "is_poisson", False):
             raise ConfigurationError(

@@ -448,8 +448,10 @@ class DPOptimizer(torch.optim.Optimizer):
         parts = self._session.parts
         if not parts:
             raise UnsupportedOperationError(
-                "optimizer.step() without loss.backward() since the last step: there is no clipped "
-                "gradient to privatise (a step on the plain .grad would not be private)."
+                "optimizer.step() without a recorded training forward and loss.backward() since the last "
+                "step: there is no clipped gradient to privatise (a step on the plain .grad would not be "
+                "private). A forward in eval mode (model.eval()) or under torch.no_grad() is not "
+                "recorded: call model.train() before the training forward."
             )
         meta = parts[-1].meta
         if meta is not None and not meta.last:
