@@ -6,6 +6,7 @@ The oracle is a Python loop over examples at batch size one with ``torch.autogra
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -472,3 +473,16 @@ def test_batching_rules_written_by_the_user_are_refused(op, what):
     x = torch.randn(8, 4)
     moved = ok(x).clipped.grads["weight"] - ok(torch.cat([x[:7], torch.full((1, 4), 50.0)])).clipped.grads["weight"]
     assert float(moved.norm()) <= 2.0 * (1 + 1e-6)  # replacing one example: at most 2 C
+
+
+def test_a_loss_failing_on_the_batch_itself_names_the_arguments(capfd):
+    """Swapped arguments or float labels fail in the loss itself, not in tracing: the message
+    says so and points at the arguments, and torch's meta-kernel error logs stay quiet."""
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=m, clipping_norm=1.0, backend="aot_eager")
+    for args in ((y, x), (x, y.float())):
+        with pytest.raises(UnsupportedOperationError, match="fails on one example of the batch itself"):
+            step(*args)
+    assert "failed while attempting to run meta" not in capfd.readouterr().err
+    assert step.num_calls == 0 and math.isfinite(float(step(x, y).loss))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -323,6 +324,19 @@ def _is_zeros(node: fx.Node) -> bool:
     return node.target in fill and len(node.args) > fill[node.target] and node.args[fill[node.target]] == 0
 
 
+@contextlib.contextmanager
+def _quiet_fake_tensor_logs() -> Iterator[None]:
+    """torch logs an error line per failing meta kernel while tracing; the failure reaches the
+    user once, as our exception (with its cause chained)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _foreign(owner: Any) -> bool:
     return not str(getattr(owner, "__module__", "") or "").startswith("opake_compile")
 
@@ -374,6 +388,23 @@ def _own_batching_rules_only() -> Iterator[None]:
         autograd_function.custom_function_call = original
         for opdef, rule in swapped:
             opdef._vmap_fn = rule
+
+
+def _eager_failure(model: nn.Module, loss_fn: Callable[..., Any], args: tuple, batched: Sequence[int]) -> str | None:
+    """``"Type: message"`` if the loss raises on the first example of ``args`` run eagerly
+    (without gradients, the model restored afterwards), else None: a failure there is the
+    loss's or the arguments', not the tracing's."""
+    first = tuple(
+        optree.tree_map(lambda x: x[:1] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, a, none_is_leaf=True)
+        if i in batched else a
+        for i, a in enumerate(args)
+    )
+    try:
+        with torch.no_grad(), _model_left_unchanged(model), torch.random.fork_rng(devices=[]):
+            loss_fn(model, *first)
+    except Exception as err:  # noqa: BLE001 - reported by the caller
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 def trace_per_example_grads(
@@ -479,7 +510,7 @@ def trace_per_example_grads(
     try:
         # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
         with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws), \
-                _input_checks.recording() as recorder, _own_batching_rules_only():
+                _input_checks.recording() as recorder, _own_batching_rules_only(), _quiet_fake_tensor_logs():
             gm = make_fx(graph_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                 *state_tensors, clip, mask, *tensor_leaves, *extra
             )
@@ -487,6 +518,14 @@ def trace_per_example_grads(
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         where = _failing_module(model, err)
+        eager = _eager_failure(model, loss_fn, args, batched_positions)
+        if eager is not None:
+            raise UnsupportedOperationError(
+                f"loss_fn(model, *args) fails on one example of the batch itself, before any DP "
+                f"transform{where} ({eager}). Check the order, shapes and dtypes of the step's arguments: "
+                "the step calls loss_fn(model, *args) with them as passed (e.g. step(x, y) for "
+                "loss_fn(model, x, y)), integer class labels included."
+            ) from err
         raise UnsupportedOperationError(
             f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "
             "compile_dp needs a loss whose operations are traceable without looking at data "
