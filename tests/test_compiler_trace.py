@@ -404,9 +404,15 @@ def test_empty_cache_attention_under_inductor():
 
 
 # ----------------------------------------------------------- batching rules written by the user
-class _MixesTheBatch(torch.autograd.Function):
-    """Identity per example, but its own vmap rule adds the batch mean to every example."""
+def _adds_the_batch_mean(info, in_dims, x):
+    """A vmap rule that mixes examples: every example gets 100 x the batch mean added."""
+    if in_dims[0] is None:
+        return x.clone(), None
+    x = x.movedim(in_dims[0], 0)
+    return x + 100.0 * x.mean(0, keepdim=True), 0
 
+
+class _Identity(torch.autograd.Function):
     @staticmethod
     def forward(x):
         return x.clone()
@@ -419,28 +425,13 @@ class _MixesTheBatch(torch.autograd.Function):
     def backward(ctx, g):
         return g
 
-    @staticmethod
-    def vmap(info, in_dims, x):
-        if in_dims[0] is None:
-            return x.clone(), None
-        x = x.movedim(in_dims[0], 0)
-        return x + 100.0 * x.mean(0, keepdim=True), 0
 
-
-class _VmappedOpByOp(torch.autograd.Function):
+class _VmappedOpByOp(_Identity):
     generate_vmap_rule = True  # its forward is vmapped op by op: accepted
 
-    @staticmethod
-    def forward(x):
-        return x.clone()
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
+class _MixesTheBatch(_Identity):
+    vmap = staticmethod(_adds_the_batch_mean)
 
 
 @torch.library.custom_op("opake_test::mixes_the_batch", mutates_args=())
@@ -450,14 +441,7 @@ def _mixes_the_batch(x: torch.Tensor) -> torch.Tensor:
 
 _mixes_the_batch.register_fake(lambda x: torch.empty_like(x))
 _mixes_the_batch.register_autograd(lambda ctx, g: g)
-
-
-@torch.library.register_vmap("opake_test::mixes_the_batch")
-def _mixes_the_batch_vmap(info, in_dims, x):
-    if in_dims[0] is None:
-        return x.clone(), None
-    x = x.movedim(in_dims[0], 0)
-    return x + 100.0 * x.mean(0, keepdim=True), 0
+torch.library.register_vmap("opake_test::mixes_the_batch", _adds_the_batch_mean)
 
 
 @pytest.mark.parametrize("op, what", [(_MixesTheBatch.apply, "autograd.Function _MixesTheBatch"),
