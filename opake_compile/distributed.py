@@ -537,8 +537,8 @@ def _check_step_agreement(
     refuses it, before anything changes.
 
     Compared across ranks: the noise key (:func:`check_same_key`), the noise multiplier, the
-    sampler's ``sample_rate`` and ``dataset_size``, the optimizer's step and draw counts, the
-    sampler's draws handed out and the draw named; the samplers' ranks must be ``0 .. W-1``,
+    sampler's ``sample_rate`` and ``dataset_size``, the optimizer's step and draw counts and
+    the draw named; the samplers' ranks must be ``0 .. W-1``,
     each once (two ranks sampling one shard add its examples twice: sensitivity 2C). The
     global sum's ``num_examples`` may not exceed the ranks' local draws added up (a shard
     summed whole, or a sum passed through :func:`sum_gradients` twice, holds more). A rank
@@ -558,7 +558,6 @@ def _check_step_agreement(
         "dataset_size": getattr(optimizer.sampler, "dataset_size", None),
         "steps": optimizer.steps,
         "draws_charged": optimizer._draws_charged,
-        "draws_handed_out": getattr(optimizer.sampler, "draws_handed_out", None),
         "draw": None if named is None else (named.epoch, named.step, named.seq),
         "correlated_noise": None if optimizer._plan is None else optimizer._plan.kind,
         "sampler_rank": getattr(optimizer.sampler, "rank", None),
@@ -574,8 +573,8 @@ def _check_step_agreement(
             f"Rank(s) {differ} hold a different noise key than rank 0. Every DPOptimizer must use "
             "the same key (distributed.broadcast_key) so that the noise is added once."
         )
-    for field in ("noise_multiplier", "sample_rate", "dataset_size", "correlated_noise", "steps",
-                  "draws_charged", "draws_handed_out", "draw"):
+    # (Not the draws handed out: a DataLoader's workers prefetch a rank-dependent number.)
+    for field in ("noise_multiplier", "sample_rate", "dataset_size", "correlated_noise", "steps", "draws_charged", "draw"):
         values = [g[field] for g in gathered]
         odd = [r for r, v in enumerate(values) if not _same(v, values[0])]
         if odd:
