@@ -443,9 +443,19 @@ _mixes_the_batch.register_fake(lambda x: torch.empty_like(x))
 _mixes_the_batch.register_autograd(lambda ctx, g: g)
 torch.library.register_vmap("opake_test::mixes_the_batch", _adds_the_batch_mean)
 
+_LIB = torch.library.Library("opake_test_lib", "DEF")  # an operator defined without custom_op
+_LIB.define("mixes_the_batch(Tensor x) -> Tensor")
+_LIB.impl("mixes_the_batch", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("opake_test_lib::mixes_the_batch", lambda x: torch.empty_like(x), lib=_LIB)
+torch.library.register_autograd("opake_test_lib::mixes_the_batch", lambda ctx, g: g, lib=_LIB)
+torch.library.register_vmap("opake_test_lib::mixes_the_batch", _adds_the_batch_mean, lib=_LIB)
 
-@pytest.mark.parametrize("op, what", [(_MixesTheBatch.apply, "autograd.Function _MixesTheBatch"),
-                                      (_mixes_the_batch, "Custom operator opake_test::mixes_the_batch")])
+
+@pytest.mark.parametrize("op, what", [
+    (_MixesTheBatch.apply, "autograd.Function _MixesTheBatch"),
+    (_mixes_the_batch, "Custom operator opake_test::mixes_the_batch"),
+    (lambda x: torch.ops.opake_test_lib.mixes_the_batch(x), "Custom operator opake_test_lib::mixes_the_batch"),
+])
 def test_batching_rules_written_by_the_user_are_refused(op, what):
     """A rule that sees the whole batch can mix examples (a hostile review: replacing one moved
     the clipped sum by 11 C); compile_dp cannot check it, so it refuses it, naming it."""

@@ -41,6 +41,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.overrides import TorchFunctionMode
 
 from opake_compile import patches as _patches
 from opake_compile.compiler import _input_checks
@@ -341,17 +342,54 @@ def _foreign(owner: Any) -> bool:
     return not str(getattr(owner, "__module__", "") or "").startswith("opake_compile")
 
 
+#: Operator namespaces whose batching rules are torch's or this library's own.
+_OWN_NAMESPACES = frozenset({"aten", "prims", "prim", "opake"})
+
+
+def _has_batching_rule(name: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "FuncTorchBatched")
+    except RuntimeError:  # an operator the dispatcher does not hold (TorchScript's own)
+        return False
+
+
+class _RefuseForeignBatchingRules(TorchFunctionMode):
+    """Sees every torch call while tracing; refuses an operator outside :data:`_OWN_NAMESPACES`
+    that has a batching rule (a ``FuncTorchBatched`` kernel: ``torch.library.register_vmap``,
+    ``custom_op(...).register_vmap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        if isinstance(func, torch._ops.OpOverloadPacket):
+            name = func._qualified_op_name
+        elif isinstance(func, torch._ops.OpOverload):
+            name = func._schema.name
+        else:
+            name = None
+        if name is not None and name not in self.checked:
+            if name.split("::", 1)[0] not in _OWN_NAMESPACES and _has_batching_rule(name):
+                raise UnsupportedOperationError(
+                    f"Custom operator {name} has a vmap rule (register_vmap): compile_dp cannot check that it "
+                    "keeps the examples of a batch apart (a rule that mixes them breaks the clipping bound). "
+                    "Register no vmap rule (torch then loops over the examples, or raises), or write the "
+                    "operator with torch ops."
+                )
+            self.checked.add(name)
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _own_batching_rules_only() -> Iterator[None]:
     """Refuse, while tracing, code that batches itself: an ``autograd.Function`` with its own
-    ``vmap`` staticmethod, or a ``torch.library.custom_op`` with a ``register_vmap`` rule. A
-    batching rule sees the whole batch, and nothing checks that it keeps examples apart (a
-    hostile review's ``x + 100 * x.mean(0)`` moved the clipped sum by 11 C when one example was
-    replaced). ``generate_vmap_rule=True`` is accepted: its forward is vmapped op by op.
-    (Rules registered with ``torch.library.register_vmap`` on operators defined by
-    ``torch.library.Library`` are not seen here.)"""
+    ``vmap`` staticmethod, or an operator with a ``register_vmap`` rule (``custom_op`` or
+    ``torch.library``). A batching rule sees the whole batch, and nothing checks that it keeps
+    examples apart (a hostile review's ``x + 100 * x.mean(0)`` moved the clipped sum by 11 C
+    when one example was replaced). ``generate_vmap_rule=True`` is accepted: its forward is
+    vmapped op by op."""
     import torch.autograd.function as autograd_function
-    from torch._library import custom_ops
 
     original = autograd_function.custom_function_call
 
@@ -365,29 +403,12 @@ def _own_batching_rules_only() -> Iterator[None]:
             )
         return original(cls, *args, **kwargs)
 
-    def refuse(name: str) -> Callable[..., Any]:
-        def rule(*args: Any, **kwargs: Any) -> Any:
-            raise UnsupportedOperationError(
-                f"Custom operator {name} has a vmap rule (register_vmap): compile_dp cannot check that it "
-                "keeps the examples of a batch apart. Register no vmap rule (torch then loops over the "
-                "examples, or raises), or write the operator with torch ops."
-            )
-
-        return rule
-
-    swapped = []
-    for name, opdef in list(custom_ops.OPDEFS.items()):
-        rule = getattr(opdef, "_vmap_fn", None)
-        if rule is not None and _foreign(rule):
-            swapped.append((opdef, rule))
-            opdef._vmap_fn = refuse(name)
     autograd_function.custom_function_call = guarded
     try:
-        yield
+        with _RefuseForeignBatchingRules():
+            yield
     finally:
         autograd_function.custom_function_call = original
-        for opdef, rule in swapped:
-            opdef._vmap_fn = rule
 
 
 def _eager_failure(model: nn.Module, loss_fn: Callable[..., Any], args: tuple, batched: Sequence[int]) -> str | None:
