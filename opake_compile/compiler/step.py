@@ -669,10 +669,11 @@ class DPStep:
 
 
 def _shape_free(sig: Any) -> Any:
-    """A graph signature (``(DPStep._signature, P)``) without what a batch decides: the
-    physical size and the batched leaves' dimensions."""
+    """A graph signature (``(DPStep._signature, P)``) without what a batch may decide: the
+    physical size and every tensor argument's dimensions (an unbatched tensor's shape can be
+    a statistic of the batch too, e.g. its longest sequence)."""
     (treedef, parts, *rest), _ = sig
-    kept = tuple((part[0], part[1], part[3]) if len(part) == 4 and part[0] is True else part for part in parts)
+    kept = tuple((part[0], part[1], part[3]) if len(part) == 4 and part[0] != "const" else part for part in parts)
     return (treedef, kept, *rest)
 
 
