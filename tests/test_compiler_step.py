@@ -649,11 +649,14 @@ def test_norm_form_does_not_depend_on_the_physical_size():
     assert _moved(results[12].clipped, results[11].clipped) > 0  # (before the fix: 10.8 C at this pair)
 
 
-def test_a_shape_that_changes_a_norm_form_is_refused():
+def test_inputs_other_than_the_batch_rows_must_not_change():
     """Batches padded to their longest sequence: with one example of 100 positions the layer
     took the direct sum, without it (50 positions) the mixed form, and removing that example
-    moved the sum by 19.6 C (hostile review). A graph whose norm form differs from the step's
-    other graphs is refused, before anything runs; one fixed length trains."""
+    moved the sum by 19.6 C; with one form throughout, the centring threshold, the padded
+    positions in the rounding bound and the underflow guard's K still moved it by 5.7-28 C
+    (hostile reviews). A call whose tensors differ beyond the batch dimension, or whose
+    unbatched tensors or constants differ, is refused before anything runs; one fixed length
+    trains."""
     torch.manual_seed(0)
     d, n, c = 64, 20, 1e-4
     model = nn.Linear(d, d, bias=False)
@@ -673,8 +676,25 @@ def test_a_shape_that_changes_a_norm_form_is_refused():
     short, long_ = _cancelling_rows(1, 50, d)[0], torch.randn(100, d)
     step = compile_dp(loss, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=n + 1)
     with_long = step(*padded([short] * n + [long_]))
-    with pytest.raises(UnsupportedOperationError, match="another norm form at this input shape"):
+    with pytest.raises(UnsupportedOperationError, match=r"Argument leaf 0 has shape \(50, 64\) against \(100, 64\)"):
         step(*padded([short] * n))
-    assert step.num_calls == 1 and len(step._cache) == 1  # the refused graph is not kept
+    assert step.num_calls == 1 and len(step._cache) == 1 and step.num_traces == 1  # refused before tracing
     fixed = step(*padded([short] * n, t=100))  # the public length: same graph, accepted
     assert _moved(with_long.clipped, fixed.clipped) <= c * (1 + 1e-6)
+    fewer = step(*padded([short] * (n - 5), t=100))  # fewer rows: another physical size is fine
+    assert fewer.clipped.num_examples == n - 5
+
+    # The length passed as a constant, or as an unbatched tensor's shape: refused alike.
+    def by_const(m, x, mask, t):
+        return loss(m, x[:, :t], mask[:, :t])
+
+    def by_tensor(m, x, mask, ones):
+        return loss(m, x[:, : ones.shape[0]], mask[:, : ones.shape[0]])
+
+    x, mask = padded([short] * n, t=100)
+    for fn, first, second, match in ((by_const, 100, 50, "value 50 against 100"),
+                                     (by_tensor, torch.ones(100), torch.ones(50), r"shape \(50,\) against \(100,\)")):
+        other = compile_dp(fn, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=n + 1, batch_argnums=(0, 1))
+        other(x, mask, first)
+        with pytest.raises(UnsupportedOperationError, match=match):
+            other(x, mask, second)

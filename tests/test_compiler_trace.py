@@ -443,6 +443,15 @@ _mixes_the_batch.register_fake(lambda x: torch.empty_like(x))
 _mixes_the_batch.register_autograd(lambda ctx, g: g)
 torch.library.register_vmap("opake_test::mixes_the_batch", _adds_the_batch_mean)
 
+@torch.library.custom_op("opake::user_mixes_the_batch", mutates_args=())  # in this library's namespace
+def _user_op_in_our_namespace(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+_user_op_in_our_namespace.register_fake(lambda x: torch.empty_like(x))
+_user_op_in_our_namespace.register_autograd(lambda ctx, g: g)
+_user_op_in_our_namespace.register_vmap(_adds_the_batch_mean)
+
 _LIB = torch.library.Library("opake_test_lib", "DEF")  # an operator defined without custom_op
 _LIB.define("mixes_the_batch(Tensor x) -> Tensor")
 _LIB.impl("mixes_the_batch", lambda x: x.clone(), "CompositeExplicitAutograd")
@@ -455,6 +464,7 @@ torch.library.register_vmap("opake_test_lib::mixes_the_batch", _adds_the_batch_m
     (_MixesTheBatch.apply, "autograd.Function _MixesTheBatch"),
     (_mixes_the_batch, "Custom operator opake_test::mixes_the_batch"),
     (lambda x: torch.ops.opake_test_lib.mixes_the_batch(x), "Custom operator opake_test_lib::mixes_the_batch"),
+    (_user_op_in_our_namespace, "Custom operator opake::user_mixes_the_batch"),
 ])
 def test_batching_rules_written_by_the_user_are_refused(op, what):
     """A rule that sees the whole batch can mix examples (a hostile review: replacing one moved

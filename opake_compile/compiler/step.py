@@ -465,6 +465,7 @@ class DPStep:
         hit = self._cache.get(sig)
         if hit is not None:
             return hit
+        self._check_public_inputs(sig)
         example = _pad_args(args, batched, 0, min(p, check_batch_size(args, batched)), p)
         traced = trace_per_example_grads(
             self.model, self.loss_fn, example, batched_positions=batched, physical_batch_size=p
@@ -495,6 +496,35 @@ class DPStep:
         compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn, methods=methods)
         self._cache[sig] = compiled
         return compiled
+
+    def _check_public_inputs(self, sig: Any) -> None:
+        """Refuse a call whose arguments differ from an earlier call's in anything but the
+        number of rows: the dimensions of its tensors beyond the batch dimension, the shapes
+        of unbatched tensors, the values of constants.
+
+        Those are the step's public inputs. Were they a statistic of the batch (each batch
+        padded to its longest sequence), one example would set them for all the others, and
+        every example's norm bound depends on them: the form of the norm (Gram form, direct
+        sum, mixed), its rounding bound (centred or not, over K positions), the underflow
+        guard's threshold. Hostile reviews moved the sum by 5.7 C to 28 C, and 19.6 C, that way.
+        (Another model state, mode, dtype or precision setting is the user's and traces anew.)
+        """
+        (base, _), static = sig, _shape_free(sig)
+        for (other, p), _ in self._cache.items():
+            if other == base or _shape_free((other, p)) != static:
+                continue
+            now, then = base[1], other[1]
+            i = next(i for i, (a, b) in enumerate(zip(now, then)) if a != b)
+            what = f"value {now[i][1]!r} against {then[i][1]!r}" if now[i][0] == "const" else (
+                f"shape {now[i][2]} against {then[i][2]}" + (" (beyond the batch dimension)" if now[i][0] else "")
+            )
+            raise UnsupportedOperationError(
+                f"Argument leaf {i} has {what} at an earlier call of this step. A step's inputs other than "
+                "the batch rows are public: pad every batch to one fixed length chosen without looking at the "
+                "data (a length set by the batch's longest example makes every example's norm bound depend "
+                "on another example). For a public change (a later training phase at another length), build "
+                "another step with compile_dp. Nothing was computed or spent."
+            )
 
     def _check_same_methods(self, sig: Any, methods: dict[str, str]) -> None:
         """Refuse a graph whose norm form differs, for a parameter, from the step's other graphs.
@@ -670,10 +700,11 @@ class DPStep:
 
 def _shape_free(sig: Any) -> Any:
     """A graph signature (``(DPStep._signature, P)``) without what a batch may decide: the
-    physical size and every tensor argument's dimensions (an unbatched tensor's shape can be
-    a statistic of the batch too, e.g. its longest sequence)."""
+    physical size, every tensor argument's dimensions and every constant argument's value (an
+    unbatched tensor's shape or a Python number can be a statistic of the batch too, e.g. its
+    longest sequence)."""
     (treedef, parts, *rest), _ = sig
-    kept = tuple((part[0], part[1], part[3]) if len(part) == 4 and part[0] != "const" else part for part in parts)
+    kept = tuple(("const",) if part[0] == "const" else (part[0], part[1], part[3]) for part in parts)
     return (treedef, kept, *rest)
 
 

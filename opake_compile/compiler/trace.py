@@ -342,25 +342,37 @@ def _foreign(owner: Any) -> bool:
     return not str(getattr(owner, "__module__", "") or "").startswith("opake_compile")
 
 
-#: Operator namespaces whose batching rules are torch's or this library's own.
-_OWN_NAMESPACES = frozenset({"aten", "prims", "prim", "opake"})
+#: Operator namespaces whose batching rules are torch's own.
+_OWN_NAMESPACES = frozenset({"aten", "prims", "prim"})
+
+
+def _own_operators() -> frozenset[str]:
+    """This library's operators with batching rules (the CTC loss, :mod:`opake_compile._ctc`)."""
+    from opake_compile import _ctc
+
+    return frozenset({_ctc._ctc_nll._qualname, _ctc._ctc_nll_backward._qualname})
 
 
 def _has_batching_rule(name: str) -> bool:
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(name, "FuncTorchBatched")
+        return any(
+            torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
+            for key in ("FuncTorchBatched", "FuncTorchBatchedDecomposition")
+        )
     except RuntimeError:  # an operator the dispatcher does not hold (TorchScript's own)
         return False
 
 
 class _RefuseForeignBatchingRules(TorchFunctionMode):
     """Sees every torch call while tracing; refuses an operator outside :data:`_OWN_NAMESPACES`
-    that has a batching rule (a ``FuncTorchBatched`` kernel: ``torch.library.register_vmap``,
-    ``custom_op(...).register_vmap``)."""
+    (and this library's own) that has a batching rule (a ``FuncTorchBatched`` or
+    ``FuncTorchBatchedDecomposition`` kernel: ``torch.library.register_vmap``,
+    ``custom_op(...).register_vmap``). Code that hides its calls from torch-function modes
+    (``torch._C.DisableTorchFunction``) is deliberate circumvention and is not seen."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.checked: set[str] = set()
+        self.checked: set[str] = set(_own_operators())
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         if isinstance(func, torch._ops.OpOverloadPacket):
