@@ -655,8 +655,8 @@ def test_inputs_other_than_the_batch_rows_must_not_change():
     moved the sum by 19.6 C; with one form throughout, the centring threshold, the padded
     positions in the rounding bound and the underflow guard's K still moved it by 5.7-28 C
     (hostile reviews). A call whose tensors differ beyond the batch dimension, or whose
-    unbatched tensors or constants differ, is refused before anything runs; one fixed length
-    trains."""
+    unbatched tensors differ in shape, is refused before anything runs; one fixed length
+    trains, and constants may follow a schedule."""
     torch.manual_seed(0)
     d, n, c = 64, 20, 1e-4
     model = nn.Linear(d, d, bias=False)
@@ -684,17 +684,24 @@ def test_inputs_other_than_the_batch_rows_must_not_change():
     fewer = step(*padded([short] * (n - 5), t=100))  # fewer rows: another physical size is fine
     assert fewer.clipped.num_examples == n - 5
 
-    # The length passed as a constant, or as an unbatched tensor's shape: refused alike.
-    def by_const(m, x, mask, t):
-        return loss(m, x[:, :t], mask[:, :t])
-
+    # The length as an unbatched tensor's shape: refused alike. As a constant (constants may
+    # follow a public schedule, so they may change): the switch of norm form is still refused.
     def by_tensor(m, x, mask, ones):
         return loss(m, x[:, : ones.shape[0]], mask[:, : ones.shape[0]])
 
+    def by_const(m, x, mask, t):
+        return loss(m, x[:, :t], mask[:, :t])
+
+    def weighted(m, x, mask, w):
+        return w * loss(m, x, mask)
+
     x, mask = padded([short] * n, t=100)
-    for fn, first, second, match in ((by_const, 100, 50, "value 50 against 100"),
-                                     (by_tensor, torch.ones(100), torch.ones(50), r"shape \(50,\) against \(100,\)")):
-        other = compile_dp(fn, model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=n + 1, batch_argnums=(0, 1))
+    kw = dict(model=model, clipping_norm=c, backend="aot_eager", physical_batch_size=n + 1, batch_argnums=(0, 1))
+    for fn, first, second, match in ((by_tensor, torch.ones(100), torch.ones(50), r"shape \(50,\) against \(100,\)"),
+                                     (by_const, 100, 50, "another norm form")):
+        other = compile_dp(fn, **kw)
         other(x, mask, first)
         with pytest.raises(UnsupportedOperationError, match=match):
             other(x, mask, second)
+    schedule = compile_dp(weighted, **kw)
+    assert [schedule(x, mask, w).clipped.num_examples for w in (1.0, 0.5)] == [n, n]  # a public schedule trains

@@ -479,14 +479,14 @@ def test_batching_rules_written_by_the_user_are_refused(op, what):
     assert float(moved.norm()) <= 2.0 * (1 + 1e-6)  # replacing one example: at most 2 C
 
 
-def test_a_loss_failing_on_the_batch_itself_names_the_arguments(capfd):
-    """Swapped arguments or float labels fail in the loss itself, not in tracing: the message
-    says so and points at the arguments, and torch's meta-kernel error logs stay quiet."""
+def test_a_shape_or_dtype_error_points_at_the_arguments(capfd):
+    """Swapped arguments or float labels: the message points at the step's arguments (not at
+    data-dependent control flow), and torch's meta-kernel error logs stay quiet."""
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=m, clipping_norm=1.0, backend="aot_eager")
     for args in ((y, x), (x, y.float())):
-        with pytest.raises(UnsupportedOperationError, match="fails on one example of the batch itself"):
+        with pytest.raises(UnsupportedOperationError, match="A shape or dtype mismatch: check the order"):
             step(*args)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
     assert step.num_calls == 0 and math.isfinite(float(step(x, y).loss))

@@ -315,3 +315,25 @@ def test_the_seed_is_not_pickled_or_logged_and_training_mode_survives_evaluation
     trainer.add_callback(EvalMidway())
     quiet(trainer.train)
     assert modes == [True] * 4
+
+
+def test_an_older_checkpoint_resumes_when_the_newer_one_is_incomplete_or_another_run(tmp_path):
+    """The rewind guard counts only complete checkpoints of the same run: after a save that
+    was interrupted (no complete dp_state), or beside another run's later checkpoint, resuming
+    from the last complete checkpoint of this run replays nothing and is accepted."""
+    import shutil
+
+    rows = lm_rows(24)
+    kw = dict(noise_multiplier=1.0, expected_batch_size=6, max_steps=4, dp_backend=None,
+              save_strategy="steps", save_steps=2, dp_seed=None)
+    quiet(DPTrainer(tiny_gpt2(), dp_args(tmp_path / "a", **kw), train_dataset=rows).train)
+    for f in (tmp_path / "a" / "checkpoint-4" / "dp_state").glob("ckpt-*"):  # the save was cut short
+        f.unlink()
+    resumed = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "a", **kw), train_dataset=rows)
+    assert quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2")).global_step == 4
+
+    quiet(DPTrainer(tiny_gpt2(), dp_args(tmp_path / "b", **kw), train_dataset=rows).train)  # another run (fresh keys)
+    shutil.copytree(tmp_path / "b" / "checkpoint-4", tmp_path / "c" / "checkpoint-4")
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "c" / "checkpoint-2")
+    other = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "c", **kw), train_dataset=rows)
+    assert quiet(other.train, resume_from_checkpoint=str(tmp_path / "c" / "checkpoint-2")).global_step == 4

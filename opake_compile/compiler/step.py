@@ -498,9 +498,10 @@ class DPStep:
         return compiled
 
     def _check_public_inputs(self, sig: Any) -> None:
-        """Refuse a call whose arguments differ from an earlier call's in anything but the
-        number of rows: the dimensions of its tensors beyond the batch dimension, the shapes
-        of unbatched tensors, the values of constants.
+        """Refuse a call whose tensor arguments differ from an earlier call's in anything but
+        the number of rows: their dimensions beyond the batch dimension, the shapes of
+        unbatched tensors. (Constants may change, for a public schedule: their values, like
+        unbatched tensors' values, are the caller's to keep public.)
 
         Those are the step's public inputs. Were they a statistic of the batch (each batch
         padded to its longest sequence), one example would set them for all the others, and
@@ -509,15 +510,13 @@ class DPStep:
         guard's threshold. Hostile reviews moved the sum by 5.7 C to 28 C, and 19.6 C, that way.
         (Another model state, mode, dtype or precision setting is the user's and traces anew.)
         """
-        (base, _), static = sig, _shape_free(sig)
-        for (other, p), _ in self._cache.items():
-            if other == base or _shape_free((other, p)) != static:
+        (base, _), static, shapes = sig, _shape_free(sig), _tensor_shapes(sig)
+        for other_sig in self._cache:
+            if _shape_free(other_sig) != static or _tensor_shapes(other_sig) == shapes:
                 continue
-            now, then = base[1], other[1]
-            i = next(i for i, (a, b) in enumerate(zip(now, then)) if a != b)
-            what = f"value {now[i][1]!r} against {then[i][1]!r}" if now[i][0] == "const" else (
-                f"shape {now[i][2]} against {then[i][2]}" + (" (beyond the batch dimension)" if now[i][0] else "")
-            )
+            now, then = base[1], other_sig[0][1]
+            i = next(i for i, (a, b) in enumerate(zip(now, then)) if a != b and a[0] != "const")
+            what = f"shape {now[i][2]} against {then[i][2]}" + (" (beyond the batch dimension)" if now[i][0] else "")
             raise UnsupportedOperationError(
                 f"Argument leaf {i} has {what} at an earlier call of this step. A step's inputs other than "
                 "the batch rows are public: pad every batch to one fixed length chosen without looking at the "
@@ -706,6 +705,13 @@ def _shape_free(sig: Any) -> Any:
     (treedef, parts, *rest), _ = sig
     kept = tuple(("const",) if part[0] == "const" else (part[0], part[1], part[3]) for part in parts)
     return (treedef, kept, *rest)
+
+
+def _tensor_shapes(sig: Any) -> tuple:
+    """The dimensions of a signature's tensor arguments (beyond the batch dimension for
+    batched ones), constants left out: a constant may follow a public schedule."""
+    (_, parts, *_), _ = sig
+    return tuple(part[2] for part in parts if part[0] != "const")
 
 
 def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:

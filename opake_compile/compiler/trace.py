@@ -343,7 +343,7 @@ def _foreign(owner: Any) -> bool:
 
 
 #: Operator namespaces whose batching rules are torch's own.
-_OWN_NAMESPACES = frozenset({"aten", "prims", "prim"})
+_OWN_NAMESPACES = frozenset({"aten", "prims", "prim", "flex_lib", "torch_nn"})  # (flex_attention, chunked CE)
 
 
 def _own_operators() -> frozenset[str]:
@@ -423,21 +423,17 @@ def _own_batching_rules_only() -> Iterator[None]:
         autograd_function.custom_function_call = original
 
 
-def _eager_failure(model: nn.Module, loss_fn: Callable[..., Any], args: tuple, batched: Sequence[int]) -> str | None:
-    """``"Type: message"`` if the loss raises on the first example of ``args`` run eagerly
-    (without gradients, the model restored afterwards), else None: a failure there is the
-    loss's or the arguments', not the tracing's."""
-    first = tuple(
-        optree.tree_map(lambda x: x[:1] if isinstance(x, torch.Tensor) and x.dim() > 0 else x, a, none_is_leaf=True)
-        if i in batched else a
-        for i, a in enumerate(args)
+#: Phrases of torch's shape and dtype errors (an argument passed in the wrong order or dtype).
+_ARGUMENT_ERRORS = ("shape", "size", "dtype", "scalar type", "same reduction dim", "must match", "dimension")
+
+
+def _looks_like_an_argument_error(err: BaseException) -> bool:
+    """Whether a tracing failure reads like a shape or dtype mismatch (not a data-dependent
+    branch or a missing vmap rule); only the message's wording is used, nothing is re-run."""
+    text = str(err).lower()
+    return isinstance(err, (RuntimeError, ValueError, IndexError)) and any(p in text for p in _ARGUMENT_ERRORS) and (
+        "vmap" not in text and "functorch" not in text and "data-dependent" not in text
     )
-    try:
-        with torch.no_grad(), _model_left_unchanged(model), torch.random.fork_rng(devices=[]):
-            loss_fn(model, *first)
-    except Exception as err:  # noqa: BLE001 - reported by the caller
-        return f"{type(err).__name__}: {err}"
-    return None
 
 
 def trace_per_example_grads(
@@ -551,13 +547,12 @@ def trace_per_example_grads(
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         where = _failing_module(model, err)
-        eager = _eager_failure(model, loss_fn, args, batched_positions)
-        if eager is not None:
+        if _looks_like_an_argument_error(err):
             raise UnsupportedOperationError(
-                f"loss_fn(model, *args) fails on one example of the batch itself, before any DP "
-                f"transform{where} ({eager}). Check the order, shapes and dtypes of the step's arguments: "
-                "the step calls loss_fn(model, *args) with them as passed (e.g. step(x, y) for "
-                "loss_fn(model, x, y)), integer class labels included."
+                f"Could not trace the per-example gradient of loss_fn{where}: {type(err).__name__}: {err}. "
+                "A shape or dtype mismatch: check the order, shapes and dtypes of the step's arguments "
+                "(the step calls loss_fn(model, *args) with them as passed, e.g. step(x, y) for "
+                "loss_fn(model, x, y); class labels are integers)."
             ) from err
         raise UnsupportedOperationError(
             f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "

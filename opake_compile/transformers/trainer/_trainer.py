@@ -428,13 +428,17 @@ class DPTrainer(transformers.Trainer):
         # clipped sums' difference without noise.
         match = _CHECKPOINT_DIR.match(path.name)
         if match is not None and not rewind:
+            # Later checkpoints of the same run (its root key) that were saved completely: an
+            # interrupted save, or another run's checkpoint in the folder, replays nothing.
+            run = _root_key_of(path)
             newer = sorted(
                 p.name
                 for folder in {path.parent, Path(self.args.output_dir)}
                 if folder.is_dir()
                 for p in folder.iterdir()
                 if (m := _CHECKPOINT_DIR.match(p.name)) and int(m.group(1)) > int(match.group(1))
-                and (p / _DP_STATE_DIR).is_dir()
+                and Checkpointer(p / _DP_STATE_DIR).steps() and run is not None
+                and (other := _root_key_of(p)) is not None and _same_key(other, run)
             )
             if newer:
                 raise CheckpointError(
@@ -592,6 +596,12 @@ class DPTrainer(transformers.Trainer):
             "DPTrainer.training_step is not the DP step (it would use Hugging Face's non-private "
             "backward); call train(), or use trainer.dp_step and trainer.dp_optimizer directly."
         )
+
+
+def _root_key_of(checkpoint: Path) -> Any:
+    """The run's root key saved in ``checkpoint`` (``None`` if it holds none)."""
+    found = Checkpointer(checkpoint / _DP_STATE_DIR / _ROOT_DIR).restore_state(root_key=_random.key(0))
+    return None if found is None else found[1]["root_key"]
 
 
 def _same_key(a: Any, b: Any) -> bool:
