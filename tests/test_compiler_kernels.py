@@ -183,7 +183,43 @@ def test_underflow_threshold_leaves_ordinary_training_alone(c, k, r_s, c_p, floo
     clip = torch.tensor(2.0**-100, dtype=F64)
     thr = float(clip) * _kernels._per_clip(small, 2, torch.float32)
     small[0, 1, 0] = thr * 0.99
-    assert not _kernels._underflow_unsafe_on_host(small, 2, f3, clip, torch.float32)
+    assert _kernels._caught_on_host(small, 2, f3, clip, torch.float32) is None
     small[0, 1, 0] = -thr * 1.01
-    assert _kernels._underflow_unsafe_on_host(small, 2, f3, clip, torch.float32)
-    assert not _kernels._underflow_unsafe_on_host(small, 2, torch.ones(1, 1, 1), clip, torch.float32)
+    assert _kernels._caught_on_host(small, 2, f3, clip, torch.float32).tolist() == [True]
+    assert _kernels._caught_on_host(small, 2, torch.ones(1, 1, 1), clip, torch.float32) is None
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["kept-prefix", "selects"])
+def test_a_caught_example_leaves_every_other_examples_product_alone(prefix):
+    # The CPU's exact path for examples the underflow test catches used to switch the whole
+    # call: one caught example removed the float32 rounding of every other example's product.
+    # Identical near-cancelling examples make that rounding systematic, so removing the one
+    # caught example moved the sum by far more than its own contribution (a hostile review:
+    # 1.019 C). Now only the caught example's product is exact: removing it changes the sum by
+    # its contribution and one rounding of the total.
+    from opake_compile.compiler.passes import _kernels
+
+    m = 1000
+    at = torch.tensor([[[1.0], [1 + 2.0**-22]]]).repeat(m + 2, 1, 1)
+    b = torch.tensor([[[1.0], [-1.0]]]).repeat(m + 2, 1, 1)
+    f = torch.full((m + 2,), 1 / 3)
+    clip = torch.tensor(1.0, dtype=F64)
+    b[m] = torch.tensor([[4 * float(clip) * _kernels._per_clip(b[:1], 1, torch.float32)], [0.0]])
+    at[m], f[m] = torch.tensor([[2.0**-140], [0.0]]), 0.5  # caught: a huge partner, f < 1
+    kept = torch.ones(m + 2, dtype=torch.bool)
+    if prefix:
+        at, b, f, kept = at[: m + 1], b[: m + 1], f[: m + 1], kept[: m + 1]
+    else:
+        at[m + 1], kept[m + 1] = float("nan"), False  # an excluded row after it: the selects run
+    assert _kernels._caught_on_host(b[: m + 1], 1, f[: m + 1].view(-1, 1, 1), clip, torch.float32).nonzero().tolist() == [[m]]
+    others = torch.ones_like(kept)
+    others[m] = False
+
+    def bk(keep):
+        return float(_kernels.bookkeeping_mm(at, b, keep, torch.where(keep, f, 0), keep.all(), clip))
+
+    with_it, without = bk(kept), bk(kept & others)
+    own = float(f[m].double() * at[m, 0, 0].double() * b[m, 0, 0].double())
+    rest_exact = float(sum(f[i].double() * (at[i, :, 0].double() @ b[i, :, 0].double()) for i in range(m)))
+    assert abs(without - rest_exact) > 10 * own  # the others' float32 rounding: systematic, large
+    assert abs(with_it - without - own) <= 2.0**-22 * (abs(with_it) + own)  # (before: ~10 own)

@@ -454,11 +454,12 @@ class DPStep:
                     except TypeError:
                         parts.append(("const", repr(leaf)))
         model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
+        device = next(iter(params.values())).device.type if params else None  # the model's device
         # The rewrites size float32 rounding bounds (Gram matrices, the mixed path's product) to
         # the matrix-product precision in force when they trace: a graph traced under IEEE
         # float32 must not run once TF32 or bfloat16 passes are allowed (an example's
         # contribution reached 1.007 C that way), so a changed setting traces again.
-        return (treedef, tuple(parts), trainable, model_state, modes, _num.float32_matmul_is_ieee())
+        return (treedef, tuple(parts), trainable, model_state, device, modes, _num.float32_matmul_is_ieee())
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
@@ -498,31 +499,36 @@ class DPStep:
         return compiled
 
     def _check_public_inputs(self, sig: Any) -> None:
-        """Refuse a call whose tensor arguments differ from an earlier call's in anything but
-        the number of rows: their dimensions beyond the batch dimension, the shapes of
-        unbatched tensors. (Constants may change, for a public schedule: their values, like
-        unbatched tensors' values, are the caller's to keep public.)
+        """Refuse a call whose arguments differ from an earlier call's in anything but the
+        number of rows: their pytree structure, which leaves are tensors, and each tensor's
+        dtype, device, dimensions beyond the batch dimension (batched) or shape (unbatched).
+        (Constants may change, for a public schedule: their values, like unbatched tensors'
+        values, are the caller's to keep public.)
 
-        Those are the step's public inputs. Were they a statistic of the batch (each batch
-        padded to its longest sequence), one example would set them for all the others, and
-        every example's norm bound depends on them: the form of the norm (Gram form, direct
-        sum, mixed), its rounding bound (centred or not, over K positions), the underflow
-        guard's threshold. Hostile reviews moved the sum by 5.7 C to 28 C, and 19.6 C, that way.
-        (Another model state, mode, dtype or precision setting is the user's and traces anew.)
+        Those are the step's public inputs. Were one of them a statistic of the batch (each
+        batch padded to its longest sequence, split into as many fixed-length segments as its
+        longest example needs, or stored as int64 when no example needed a fraction), one
+        example would set it for all the others, and every example's norm bound depends on it:
+        the form of the norm (Gram form, direct sum, mixed), its rounding bound (centred or
+        not, over K positions), the underflow guard's threshold. Hostile reviews moved the sum
+        by 5.7 C to 28 C, and 19.3 C and 19.6 C, that way. (Another model state, mode, model
+        device or matrix-product precision is the user's setting and traces anew.)
         """
-        (base, _), static, shapes = sig, _shape_free(sig), _tensor_shapes(sig)
+        settings, public = _user_settings(sig), _public_inputs(sig)
         for other_sig in self._cache:
-            if _shape_free(other_sig) != static or _tensor_shapes(other_sig) == shapes:
+            if _user_settings(other_sig) != settings:
                 continue
-            now, then = base[1], other_sig[0][1]
-            i = next(i for i, (a, b) in enumerate(zip(now, then)) if a != b and a[0] != "const")
-            what = f"shape {now[i][2]} against {then[i][2]}" + (" (beyond the batch dimension)" if now[i][0] else "")
+            then = _public_inputs(other_sig)
+            if then == public:
+                return  # every graph of a group shares its public inputs (checked when it was built)
             raise UnsupportedOperationError(
-                f"Argument leaf {i} has {what} at an earlier call of this step. A step's inputs other than "
-                "the batch rows are public: pad every batch to one fixed length chosen without looking at the "
-                "data (a length set by the batch's longest example makes every example's norm bound depend "
-                "on another example). For a public change (a later training phase at another length), build "
-                "another step with compile_dp. Nothing was computed or spent."
+                _public_difference(public, then)
+                + " A step's inputs other than the batch rows are public: give every call the same "
+                "structure, dtypes and devices, and pad every batch to one fixed length chosen without "
+                "looking at the data (a length, segment count or dtype set by the batch's examples makes "
+                "every example's norm bound depend on another example). For a public change (a later "
+                "training phase at another length), build another step with compile_dp. Nothing was "
+                "computed or spent."
             )
 
     def _check_same_methods(self, sig: Any, methods: dict[str, str]) -> None:
@@ -534,13 +540,14 @@ class DPStep:
         longest sequence the length), removing one example would change every other example's
         clip factor, and the sum could move by much more than C (a hostile review: 19.6 C when
         the longest example set the padded length). Every graph of one step must therefore form
-        each parameter's norm the same way. (Graphs for another model state, mode, dtype or
-        matrix-product precision are not compared: those are the user's settings, not the batch.)
+        each parameter's norm the same way. (Graphs for another model state, mode, model device
+        or matrix-product precision are not compared: those are the user's settings, not the
+        batch's.)
         """
-        static = _shape_free(sig)
+        settings = _user_settings(sig)
         for other_sig, other in self._cache.items():
-            if _shape_free(other_sig) != static:
-                continue  # another model state, mode, dtype or precision setting: not the batch's doing
+            if _user_settings(other_sig) != settings:
+                continue  # the user's settings changed, not the batch
             for name, method in methods.items():
                 was = other.methods.get(name)
                 if was is not None and was != method:
@@ -697,21 +704,40 @@ class DPStep:
         return DPStepResult(loss=torch.tensor(float("nan"), device=device), clipped=clipped, coverage=coverage)
 
 
-def _shape_free(sig: Any) -> Any:
-    """A graph signature (``(DPStep._signature, P)``) without what a batch may decide: the
-    physical size, every tensor argument's dimensions and every constant argument's value (an
-    unbatched tensor's shape or a Python number can be a statistic of the batch too, e.g. its
-    longest sequence)."""
-    (treedef, parts, *rest), _ = sig
-    kept = tuple(("const",) if part[0] == "const" else (part[0], part[1], part[3]) for part in parts)
-    return (treedef, kept, *rest)
+def _user_settings(sig: Any) -> tuple:
+    """What of a graph signature (``(DPStep._signature, P)``) is the user's to change between
+    calls (trainable set, model state and device, modes, matrix-product precision): graphs
+    with the same settings must share their public inputs and their norm forms."""
+    (_, _, *rest), _ = sig
+    return tuple(rest)
 
 
-def _tensor_shapes(sig: Any) -> tuple:
-    """The dimensions of a signature's tensor arguments (beyond the batch dimension for
-    batched ones), constants left out: a constant may follow a public schedule."""
-    (_, parts, *_), _ = sig
-    return tuple(part[2] for part in parts if part[0] != "const")
+def _public_inputs(sig: Any) -> tuple:
+    """What of a graph signature the batch may not decide: the arguments' pytree structure and,
+    per leaf, whether it is batched, a constant (its value left out: a constant may follow a
+    public schedule) or a tensor, with its dtype, device and dimensions (beyond the batch
+    dimension for batched ones). Only the physical size P and the rows are the batch's."""
+    (treedef, parts, *_), _ = sig
+    return (treedef, tuple(("const",) if part[0] == "const" else part for part in parts))
+
+
+def _public_difference(now: tuple, then: tuple) -> str:
+    """A sentence naming the first public input that differs between two ``_public_inputs``."""
+    if now[0] != then[0]:
+        return (
+            f"The step's arguments have another pytree structure ({now[0]}) than at an earlier call "
+            f"of this step ({then[0]})."
+        )
+    i, a, b = next((i, a, b) for i, (a, b) in enumerate(zip(now[1], then[1])) if a != b)
+    if a[0] == "const" or b[0] == "const" or a[0] != b[0]:
+        kind = lambda p: "a constant" if p[0] == "const" else ("a batched tensor" if p[0] else "an unbatched tensor")
+        return f"Argument leaf {i} is {kind(a)} where it was {kind(b)} at an earlier call of this step."
+    if a[1] != b[1]:
+        return f"Argument leaf {i} has dtype {a[1]} against {b[1]} at an earlier call of this step."
+    if a[3] != b[3]:
+        return f"Argument leaf {i} is on device {a[3]!r} against {b[3]!r} at an earlier call of this step."
+    beyond = " (beyond the batch dimension)" if a[0] else ""
+    return f"Argument leaf {i} has shape {a[2]} against {b[2]}{beyond} at an earlier call of this step."
 
 
 def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:

@@ -73,7 +73,7 @@ def bookkeeping_mm(
     if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
         scale_left = r <= c
-        exact = _underflow_unsafe_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc)
+        caught = _caught_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc)
         if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
@@ -90,17 +90,56 @@ def bookkeeping_mm(
         # On an accelerator, no host-side test (a sync per layer): the graph has already
         # zeroed the factor of any example the test would catch, for every term of the
         # parameter together (_factors.emit_clipped_sum).
-        exact = _host_reads_are_free(at) and _underflow_unsafe_on_host(right, r, f3, clip, acc)
+        caught = _caught_on_host(right, r, f3, clip, acc) if _host_reads_are_free(at) else None
         left.mul_(f3)
-    if exact:
-        # (A host-side test: free on CPU.) The products are then formed exactly.
-        left, right = _exact_scaling(at, b, kept, f3, clip, acc)
+    if caught is not None:
+        # (A host-side test: free on CPU.) The caught examples' products are formed exactly,
+        # apart from the others': see _split_exact.
+        return _split_exact(at, b, left, right, caught, f3, clip, acc)
+    return _ieee_mm(left, right).to(acc)
+
+
+def _ieee_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``sum_i left_i^T right_i`` for ``(P, K, R)`` and ``(P, K, C)``: one product over the
+    (example, position) rows, with IEEE float32 products whatever the user's setting (the
+    slack rho of the released sum assumes them; TF32 operands, rounded to 2^-11 of an
+    example's mass, let one example move the sum past C)."""
+    p, k, r = left.shape
+    c = right.shape[2]
     if left.dtype == torch.float32 and not float32_matmul_is_ieee():
-        # The slack rho of the released sum assumes IEEE float32 products; TF32 operands
-        # (rounded to 2^-11 of an example's mass) let one example move it past C.
         with ieee_float32_matmul():
             return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
-    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c)).to(acc)
+    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
+
+
+def _split_exact(
+    at: torch.Tensor,
+    b: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    caught: torch.Tensor,
+    f3: torch.Tensor,
+    clip: torch.Tensor,
+    acc: torch.dtype,
+) -> torch.Tensor:
+    """The book-keeping sum when :func:`_caught_on_host` caught some examples: theirs formed by
+    :func:`_exact_scaling`, every other example's exactly as if none had been caught (the same
+    rows of ``left``, ``right`` in one product of the sum dtype), the two parts added once in
+    float64 (float32 sums) or in the sum dtype, and rounded once.
+
+    Per example, not per call: had one caught example sent every example of the call to the
+    exact path, it would have removed the float32 rounding of all the others' products, which
+    identical near-cancelling examples make systematic (a hostile review: removing the one
+    caught example moved the sum by 1.019 C). Removing a caught example now changes the sum by
+    its own exact contribution and one rounding of the total."""
+    hit = caught.nonzero().view(-1)
+    rest = (~caught).nonzero().view(-1)
+    main = _ieee_mm(left.index_select(0, rest), right.index_select(0, rest))
+    ones = torch.ones(hit.shape[0], dtype=torch.bool, device=hit.device)
+    el, er = _exact_scaling(at.index_select(0, hit), b.index_select(0, hit), ones, f3.index_select(0, hit), clip, acc)
+    exact = _ieee_mm(el, er)  # float64 operands for float32 sums: exact products, no TF32
+    wide = exact.dtype
+    return (main.to(wide) + exact).to(acc)
 
 
 def _host_reads_are_free(t: torch.Tensor) -> bool:
@@ -156,18 +195,20 @@ def _exact_scaling(
     return left, right
 
 
-def _underflow_unsafe_on_host(partner, scaled_cols, f3, clip, acc) -> bool:
-    """``underflow_unsafe(...).any()`` on the CPU, in one pass over ``partner`` where no entry
-    reaches the threshold (the common case by ~2^80 at ordinary C): its extremes against the
-    threshold for every example first (56 -> 15 us per layer at the MLP bench's widths), the
-    per-example test only when some entry is past it (or NaN)."""
+def _caught_on_host(partner, scaled_cols, f3, clip, acc) -> torch.Tensor | None:
+    """:func:`underflow_unsafe` per example, ``(P,)`` bool, on the CPU; ``None`` where it
+    catches no example. One pass over ``partner`` where no entry reaches the threshold (the
+    common case by ~2^80 at ordinary C): its extremes against the threshold for every example
+    first (56 -> 15 us per layer at the MLP bench's widths), the per-example test only when
+    some entry is past it (or NaN)."""
     if partner.numel() == 0:  # no example kept (or no positions): nothing is scaled
-        return False
+        return None
     lo, hi = torch.aminmax(partner)
     big = max(-float(lo), float(hi))
     if big <= float(clip) * _per_clip(partner, scaled_cols, acc):
-        return False
-    return bool(underflow_unsafe(_eager, partner, scaled_cols, f3, clip, acc).any())
+        return None
+    caught = underflow_unsafe(_eager, partner, scaled_cols, f3, clip, acc).view(-1)
+    return caught if bool(caught.any()) else None
 
 
 def _per_clip(partner, scaled_cols, acc) -> float:
@@ -202,8 +243,9 @@ def underflow_unsafe(call, partner, scaled_cols, f3, clip, acc):
     ``f_i = 1`` or ``f_i = 0`` are never caught (their scaled entries are exact); at
     C >= 10^-6 and GPT-2 shapes only partners beyond ~2^80 are.
 
-    On the CPU, :func:`bookkeeping_mm` tests this on the host and then forms the products
-    exactly (:func:`_exact_scaling`). Where no host test is possible (an accelerator, where it
+    On the CPU, :func:`bookkeeping_mm` tests this on the host and then forms the caught
+    examples' products exactly (:func:`_exact_scaling`), every other example's as if none had
+    been caught (:func:`_split_exact`). Where no host test is possible (an accelerator, where it
     would be a synchronisation per layer; ``bookkeeping="fused"``'s in-graph products),
     :func:`~opake_compile.compiler.passes._factors.emit_clipped_sum` zeroes such an
     example's clip factor for every term of the parameter together: the example then adds
