@@ -189,8 +189,14 @@ def test_underflow_threshold_leaves_ordinary_training_alone(c, k, r_s, c_p, floo
     assert _kernels._caught_on_host(small, 2, torch.ones(1, 1, 1), clip, torch.float32) is None
 
 
+def _partner_sq(partner):
+    """The graph's bound on each example's sum of squares of the partner, in float64."""
+    return partner.double().pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("bound", [False, True], ids=["operand-read", "graph-bound"])
 @pytest.mark.parametrize("prefix", [True, False], ids=["kept-prefix", "selects"])
-def test_a_caught_example_leaves_every_other_examples_product_alone(prefix):
+def test_a_caught_example_leaves_every_other_examples_product_alone(prefix, bound):
     # The CPU's exact path for examples the underflow test catches used to switch the whole
     # call: one caught example removed the float32 rounding of every other example's product.
     # Identical near-cancelling examples make that rounding systematic, so removing the one
@@ -215,11 +221,65 @@ def test_a_caught_example_leaves_every_other_examples_product_alone(prefix):
     others = torch.ones_like(kept)
     others[m] = False
 
+    psq = _partner_sq(b) if bound else None  # (P,): b is the partner (R = C = 1)
+
     def bk(keep):
-        return float(_kernels.bookkeeping_mm(at, b, keep, torch.where(keep, f, 0), keep.all(), clip))
+        return float(_kernels.bookkeeping_mm(at, b, keep, torch.where(keep, f, 0), keep.all(), clip, psq))
 
     with_it, without = bk(kept), bk(kept & others)
     own = float(f[m].double() * at[m, 0, 0].double() * b[m, 0, 0].double())
     rest_exact = float(sum(f[i].double() * (at[i, :, 0].double() @ b[i, :, 0].double()) for i in range(m)))
     assert abs(without - rest_exact) > 10 * own  # the others' float32 rounding: systematic, large
     assert abs(with_it - without - own) <= 2.0**-22 * (abs(with_it) + own)  # (before: ~10 own)
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["kept-prefix", "selects"])
+def test_the_graphs_partner_bound_gives_the_operand_tests_result(prefix):
+    # The host test's first look uses the graph's per-example bound on the partner's sum of
+    # squares instead of reading the operand. Any bound past the threshold (a huge entry, a
+    # bound that overflowed to inf, a NaN) sends the call to the per-example test, so the sum
+    # is the one the operand's own extremes give, bit for bit.
+    from opake_compile.compiler.passes import _kernels
+
+    clip = torch.tensor(2.0**-100, dtype=F64)
+    g = _gen(3)
+    at, b = torch.randn(6, 4, 2, generator=g), torch.randn(6, 4, 5, generator=g)  # R < C: b is the partner
+    assert _kernels.partner_of(2, 5) == "b" and _kernels.partner_of(5, 2) == "at"
+    f = torch.full((6,), 0.25)
+    at[2, 1], b[2, 3] = 2.0**-140, 8 * float(clip) * _kernels._per_clip(b[:1], 2, torch.float32)
+    kept = torch.ones(6, dtype=torch.bool)
+    if not prefix:
+        kept[4] = False
+        at[4] = float("nan")
+    f = torch.where(kept, f, 0)
+    want = _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip)
+    for psq in (_partner_sq(b), torch.full((6,), math.inf, dtype=F64), torch.full((6,), math.nan, dtype=F64)):
+        assert torch.equal(_kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip, psq), want)
+    # The ordinary case: nothing near the threshold, no example caught, the same sum.
+    at[2, 1], b[2, 3] = 0.5, 0.5
+    assert torch.equal(
+        _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip, _partner_sq(b)),
+        _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip),
+    )
+
+
+def test_a_cpu_step_tests_underflow_without_reading_the_partner(monkeypatch):
+    # Every dense book-keeping call of a CPU graph gets the partner's per-example bound, so on
+    # ordinary data the operator never reads the partner on the host again (its aminmax cost
+    # 3-4 % of the MLP and encoder benches' steps); a huge partner still takes the exact path
+    # (test_compiler_numerics' 31.9 C case runs through the same graphs).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 3))
+    step = compile_dp(lambda m, x: m(x).pow(2).sum(), model=model, clipping_norm=0.1, backend="aot_eager")
+    x = torch.randn(5, 6)
+    want = step(x).clipped.grads
+    gm = list(step._cache.values())[-1].traced.gm
+    calls = [n for n in gm.graph.nodes if n.target is BOOKKEEPING_MM]
+    assert len(calls) == 2 and all(len(n.args) == 7 and n.args[6] is not None for n in calls)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the operand was read on the host")
+
+    monkeypatch.setattr(torch, "aminmax", refuse)
+    got = step(x).clipped.grads
+    assert all(torch.equal(got[k], want[k]) for k in want)

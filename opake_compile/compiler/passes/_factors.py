@@ -1065,6 +1065,8 @@ def emit_clipped_sum(
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
     all_kept: fx.Node | None = None,
+    em_factors: Emitter | None = None,
+    cache: dict | None = None,
 ) -> fx.Node:
     """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``.
 
@@ -1073,7 +1075,10 @@ def emit_clipped_sum(
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``clip``: the 0-d float64 node of ``C_eff`` (the underflow test of
     :func:`~._kernels.underflow_unsafe` measures against it); ``all_kept``: a node holding
-    ``kept.all()``, shared by every call in one graph (emitted here when not given)."""
+    ``kept.all()``, shared by every call in one graph (emitted here when not given).
+    ``em_factors``: an emitter where the factors are live (the norm's), for the per-example
+    bound on the operator's partner operand that spares its host test a pass over it (CPU
+    graphs, float32-or-lower partners; memoised in ``cache``, e.g. q, k and v share theirs)."""
     p = shape(factors[0].b)[0] // factors[0].groups
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
@@ -1125,9 +1130,24 @@ def emit_clipped_sum(
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if all_kept is None:
                 all_kept = em(aten.all.default, kept)
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept, clip)
+            partner_sq = _partner_sq(em_factors or em, f, {} if cache is None else cache)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept, clip, partner_sq)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:
+    """Per example, ``(P,)`` float64, an upper bound on the sum of squares of the operand
+    ``opake::bookkeeping_mm`` leaves unscaled on the CPU (:func:`~._kernels.partner_of`):
+    its host-side underflow test compares the largest one's square root with its threshold
+    instead of reading the operand (:func:`~._kernels._caught_on_host`). ``None`` off the
+    CPU (no host test there) and for float64 operands (rare; their squares can overflow where
+    the float64 threshold does not, so the operator reads them instead)."""
+    partner, n = (f.b, f.k * f.cols) if _kernels.partner_of(f.rows, f.cols) == "b" else (f.a, f.k * f.rows)
+    v = val(partner)
+    if not _kernels._host_reads_are_free(v) or v.dtype == NORM_DTYPE or not v.dtype.is_floating_point:
+        return None
+    return _memo(cache, ("partner_sq", value_key(partner)), lambda: emit_sum_sq_bound(em, partner, [1, 2], n))
 
 
 def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:

@@ -19,12 +19,13 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, float32_matmul_is_ieee, ieee_float32_matmul
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "partner_of", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
 _LIB.define(
-    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept, Tensor clip) -> Tensor"
+    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept, Tensor clip, "
+    "Tensor? partner_sq=None) -> Tensor"
 )
 
 
@@ -35,6 +36,7 @@ def bookkeeping_mm(
     factor: torch.Tensor,
     all_kept: torch.Tensor,
     clip: torch.Tensor,
+    partner_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_i factor[i] * at[i]^T @ b[i]`` over the examples with ``kept[i]``.
 
@@ -48,6 +50,13 @@ def bookkeeping_mm(
             again in every layer's call).
         clip: 0-d float64, the effective clipping norm ``C_eff``; the test of
             :func:`underflow_unsafe` measures the scaled operand's underflow against it.
+        partner_sq: optional ``(P,)`` float64, per example an upper bound on the sum of
+            squares of the partner operand of the CPU test (:func:`partner_of`), computed in
+            the graph (a vectorised reduction the backend fuses near the operand's producer);
+            ``max |partner|`` of every example is at most its square root, so when all of them
+            are below the test's threshold no example can be caught and the operand is not
+            read again on the host (an ``aminmax`` cost 3-4 % of the MLP and encoder benches'
+            steps). Without it, or for any other partner, the test reads the operand.
 
     Returns:
         ``(R, C)`` in ``factor.dtype``.
@@ -68,12 +77,13 @@ def bookkeeping_mm(
     rows = _kept_prefix(kept, all_kept)
     if rows is not None and rows < p:
         at, b, kept, factor = at[:rows], b[:rows], kept[:rows], factor[:rows]
+        partner_sq = None if partner_sq is None else partner_sq[:rows]
         p = rows
     f3 = factor.view(p, 1, 1)
     if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
-        scale_left = r <= c
-        caught = _caught_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc)
+        scale_left = partner_of(r, c) == "b"
+        caught = _caught_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc, partner_sq)
         if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
@@ -90,7 +100,13 @@ def bookkeeping_mm(
         # On an accelerator, no host-side test (a sync per layer): the graph has already
         # zeroed the factor of any example the test would catch, for every term of the
         # parameter together (_factors.emit_clipped_sum).
-        caught = _caught_on_host(right, r, f3, clip, acc) if _host_reads_are_free(at) else None
+        if _host_reads_are_free(at):
+            # The partner here is always b (the scaled operand is at): its bound serves when
+            # the graph emitted it for b; an excluded example's (f = 0) is never caught.
+            psq = torch.where(kept, partner_sq, 0) if partner_sq is not None and partner_of(r, c) == "b" else None
+            caught = _caught_on_host(right, r, f3, clip, acc, psq)
+        else:
+            caught = None
         left.mul_(f3)
     if caught is not None:
         # (A host-side test: free on CPU.) The caught examples' products are formed exactly,
@@ -140,6 +156,13 @@ def _split_exact(
     exact = _ieee_mm(el, er)  # float64 operands for float32 sums: exact products, no TF32
     wide = exact.dtype
     return (main.to(wide) + exact).to(acc)
+
+
+def partner_of(r: int, c: int) -> str:
+    """Which operand the CPU path leaves unscaled (the partner of the underflow test) for
+    ``at`` (P, K, R) and ``b`` (P, K, C): ``"b"`` when ``R <= C`` (the clip factor scales the
+    smaller ``at``), else ``"at"``. The graph emits ``partner_sq`` for this operand."""
+    return "b" if r <= c else "at"
 
 
 def _host_reads_are_free(t: torch.Tensor) -> bool:
@@ -195,18 +218,24 @@ def _exact_scaling(
     return left, right
 
 
-def _caught_on_host(partner, scaled_cols, f3, clip, acc) -> torch.Tensor | None:
+def _caught_on_host(partner, scaled_cols, f3, clip, acc, partner_sq=None) -> torch.Tensor | None:
     """:func:`underflow_unsafe` per example, ``(P,)`` bool, on the CPU; ``None`` where it
-    catches no example. One pass over ``partner`` where no entry reaches the threshold (the
-    common case by ~2^80 at ordinary C): its extremes against the threshold for every example
-    first (56 -> 15 us per layer at the MLP bench's widths), the per-example test only when
-    some entry is past it (or NaN)."""
+    catches no example. No example can be caught when no entry of ``partner`` reaches the
+    threshold (the common case by ~2^80 at ordinary C): that is tested first, from the
+    graph's per-example bound ``partner_sq`` on the sums of squares when given (its largest
+    value, square-rooted, bounds every entry; one read of P numbers), else from the
+    operand's extremes (one pass over it). The per-example test runs only when the first
+    test fails (an entry or a bound past the threshold, an overflowed bound, a NaN)."""
     if partner.numel() == 0:  # no example kept (or no positions): nothing is scaled
         return None
-    lo, hi = torch.aminmax(partner)
-    big = max(-float(lo), float(hi))
-    if big <= float(clip) * _per_clip(partner, scaled_cols, acc):
-        return None
+    threshold = float(clip) * _per_clip(partner, scaled_cols, acc)
+    if partner_sq is not None:
+        if math.sqrt(float(partner_sq.max())) <= threshold:  # (NaN and inf fail the test)
+            return None
+    else:
+        lo, hi = torch.aminmax(partner)
+        if max(-float(lo), float(hi)) <= threshold:
+            return None
     caught = underflow_unsafe(_eager, partner, scaled_cols, f3, clip, acc).view(-1)
     return caught if bool(caught.any()) else None
 
@@ -288,8 +317,15 @@ _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("opake::bookkeeping_mm")
 def _(
-    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, all_kept: torch.Tensor, clip: torch.Tensor
+    at: torch.Tensor,
+    b: torch.Tensor,
+    kept: torch.Tensor,
+    factor: torch.Tensor,
+    all_kept: torch.Tensor,
+    clip: torch.Tensor,
+    partner_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    torch._check(partner_sq is None or (partner_sq.shape == (at.shape[0],) and partner_sq.dtype == torch.float64))
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)

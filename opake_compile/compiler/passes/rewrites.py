@@ -545,7 +545,7 @@ def _rewrite_parameter(
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, all_kept))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, all_kept, em, grams))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
