@@ -508,8 +508,8 @@ def emit_sq_norm(
                     # reduction; float64 ones cost ~10 % of a small MLP's step) and then bounded
                     # above rigorously: (1 + gamma_n) for the rounding, n 2^-149 for squares that
                     # underflow; one that overflows makes the example non-finite (dropped).
-                    pa = emit_sum_sq_bound(em, f.a, [1, 2], f.rows)
-                    pb = _memo(grams, ("sumsq",) + b_key, lambda: emit_sum_sq_bound(em, f.b, [1, 2], f.cols))
+                    pa = _sum_sq_bound_all(em, grams, f.a, f.rows)
+                    pb = _sum_sq_bound_all(em, grams, f.b, f.cols)
                 else:
                     nd = NORM_DTYPE
                     pa = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.a, nd), _as_dtype(em, g.a, nd)), [1, 2])
@@ -1147,7 +1147,14 @@ def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:
     v = val(partner)
     if not _kernels._host_reads_are_free(v) or v.dtype == NORM_DTYPE or not v.dtype.is_floating_point:
         return None
-    return _memo(cache, ("partner_sq", value_key(partner)), lambda: emit_sum_sq_bound(em, partner, [1, 2], n))
+    return _sum_sq_bound_all(em, cache, partner, n)
+
+
+def _sum_sq_bound_all(em: Emitter, cache: dict, x: fx.Node, n: int) -> fx.Node:
+    """``emit_sum_sq_bound`` of ``x`` (P, ., .) over its last two dims (n entries), memoised
+    in ``cache``: a rank-one norm's ``||a||^2`` and ``||b||^2`` are the same nodes as the
+    book-keeping operator's partner bound (one reduction, not two)."""
+    return _memo(cache, ("sum_sq_all", value_key(x), n), lambda: emit_sum_sq_bound(em, x, [1, 2], n))
 
 
 def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple[fx.Node, fx.Node]:
