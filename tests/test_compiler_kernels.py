@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from opake_compile import compile_dp
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, kept_prefix
 
 _C = torch.tensor(1.0, dtype=torch.float64)  # C_eff: ordinary, so the underflow test never fires here
 
@@ -38,7 +38,7 @@ def test_bookkeeping_mm_matches_the_per_example_loop_when_every_example_is_kept(
     b = torch.randn(p, k, c, generator=_gen(2), dtype=F64)
     factor = torch.rand(p, generator=_gen(3), dtype=F64)
     kept = torch.ones(p, dtype=torch.bool)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert got.shape == (r, c) and got.dtype == F64
     torch.testing.assert_close(got, _loop(at, b, kept, factor), rtol=1e-12, atol=1e-12)
 
@@ -54,14 +54,14 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     b[3, 1, 2] = math.inf
     kept = torch.tensor([True, False, True, False, True])
     factor = torch.where(kept, torch.rand(p, generator=_gen(6), dtype=F64), 0.0)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert bool(torch.isfinite(got).all())
     want = _loop(at, b, kept, factor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # The excluded rows really are ignored: replacing them changes nothing.
     at2, b2 = at.clone(), b.clone()
     at2[1], b2[3] = 1e30, -1e30
-    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept.all(), _C), got)
+    assert torch.equal(BOOKKEEPING_MM(at2, b2, kept, factor, kept_prefix(kept), _C), got)
 
 
 @pytest.mark.parametrize("m", [0, 1, 3, 5], ids=lambda m: f"first{m}")
@@ -77,12 +77,12 @@ def test_bookkeeping_mm_padded_tail_is_sliced_off_with_its_nan_and_factor(m, r, 
     b[m:, 1, 1] = math.inf
     factor = torch.rand(p, generator=_gen(22), dtype=F64)
     factor[m:] = math.nan
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert got.shape == (r, c) and bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
     # The same rows excluded in a pattern that is not a prefix take the select path: same sum.
     perm = torch.tensor([4, 0, 3, 1, 2]) if 0 < m < p else torch.arange(p)
-    got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept.all(), _C)
+    got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept_prefix(kept[perm]), _C)
     torch.testing.assert_close(got2, got, rtol=1e-12, atol=1e-12)
 
 
@@ -92,7 +92,7 @@ def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
     b = torch.randn(p, k, c, generator=_gen(11), dtype=F64)
     kept = torch.tensor([True, False, True])
     factor = torch.tensor([0.5, math.nan, 0.25], dtype=F64)
-    got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
 
 
@@ -102,7 +102,7 @@ def test_bookkeeping_mm_accumulates_low_precision_factors_in_the_factor_dtype():
     b = torch.randn(p, k, c, generator=_gen(8)).to(torch.bfloat16)
     factor = torch.rand(p, generator=_gen(9))
     for kept in (torch.ones(p, dtype=torch.bool), torch.tensor([True, False, True, True])):
-        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), _C)
+        got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), _loop(at, b, kept, factor), rtol=1e-5, atol=1e-5)
 
@@ -124,21 +124,35 @@ def test_bookkeeping_mm_products_with_huge_partners_are_exact_or_refused(dtype):
         b[0, :, 0] = torch.tensor([2.0**-4, 2.0**55, 2.0**54])
         factor = torch.tensor([2.0**-108, 0.0])
         kept = torch.tensor([True, False])
-        got = BOOKKEEPING_MM(at, b, kept, factor, kept.all(), clip)
+        got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), clip)
         assert float((got.double() - _loop(at, b, kept, factor)).abs().max()) <= 2.0**-20 * float(clip)
         return
     at[0, :, 0] = torch.tensor([0.0, 2.0**950, 1.0], dtype=dtype)
     b[0, :, 0] = torch.tensor([2.0**950, 0.0, 1.0], dtype=dtype)
     factor, kept = torch.tensor([0.5, 0.0], dtype=dtype), torch.tensor([True, False])
     with pytest.raises(UnsupportedOperationError, match="bookkeeping_mm"):
-        BOOKKEEPING_MM(at, b, kept, factor, kept.all(), clip)
+        BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), clip)
+
+
+@pytest.mark.parametrize("kept, want", [
+    ([True, True, True], 3), ([True, True, False], 2), ([False, False, False], 0),
+    ([True, False, True], -1), ([False, True, True], -1),
+])
+def test_kept_prefix_counts_leading_kept_rows_only_when_they_are_all(kept, want):
+    # The operator slices the rows past m off only when kept is exactly a prefix of m rows;
+    # any other pattern (-1) takes the selects, so an excluded row never enters the product.
+    from opake_compile.compiler.passes import _kernels
+
+    got = _kernels.kept_prefix(torch.tensor(kept))
+    assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == want
+    assert _kernels._kept_prefix(got) == (None if want < 0 else want)
 
 
 def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():
     with FakeTensorMode():
         out = BOOKKEEPING_MM(
             torch.empty(4, 2, 3, dtype=torch.bfloat16), torch.empty(4, 2, 5, dtype=torch.bfloat16),
-            torch.empty(4, dtype=torch.bool), torch.empty(4, dtype=torch.float32), torch.empty((), dtype=torch.bool),
+            torch.empty(4, dtype=torch.bool), torch.empty(4, dtype=torch.float32), torch.empty((), dtype=torch.int64),
             torch.empty((), dtype=torch.float64),
         )
     assert out.shape == (3, 5) and out.dtype == torch.float32
@@ -224,7 +238,7 @@ def test_a_caught_example_leaves_every_other_examples_product_alone(prefix, boun
     psq = _partner_sq(b) if bound else None  # (P,): b is the partner (R = C = 1)
 
     def bk(keep):
-        return float(_kernels.bookkeeping_mm(at, b, keep, torch.where(keep, f, 0), keep.all(), clip, psq))
+        return float(_kernels.bookkeeping_mm(at, b, keep, torch.where(keep, f, 0), _kernels.kept_prefix(keep), clip, psq))
 
     with_it, without = bk(kept), bk(kept & others)
     own = float(f[m].double() * at[m, 0, 0].double() * b[m, 0, 0].double())
@@ -252,14 +266,14 @@ def test_the_graphs_partner_bound_gives_the_operand_tests_result(prefix):
         kept[4] = False
         at[4] = float("nan")
     f = torch.where(kept, f, 0)
-    want = _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip)
+    want = _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip)
     for psq in (_partner_sq(b), torch.full((6,), math.inf, dtype=F64), torch.full((6,), math.nan, dtype=F64)):
-        assert torch.equal(_kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip, psq), want)
+        assert torch.equal(_kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip, psq), want)
     # The ordinary case: nothing near the threshold, no example caught, the same sum.
     at[2, 1], b[2, 3] = 0.5, 0.5
     assert torch.equal(
-        _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip, _partner_sq(b)),
-        _kernels.bookkeeping_mm(at, b, kept, f, kept.all(), clip),
+        _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip, _partner_sq(b)),
+        _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip),
     )
 
 

@@ -592,6 +592,7 @@ class DPStep:
         # Checks on real values that the graph cannot make (e.g. labels within the vocabulary,
         # compiler/_input_checks.py): every chunk passes before any graph runs or key is split.
         start = 0
+        checked = None  # a single chunk's padded leaves, kept for its run (one copy, not two)
         for m, p in chunks:
             checks = graphs[p].traced.input_checks
             leaves = chunk(m, p, start) if checks else None
@@ -599,12 +600,15 @@ class DPStep:
                 message = check.run(leaves, m, start)
                 if message is not None:
                     raise ConfigurationError(f"{message} The batch was refused before the step ran: nothing changed.")
+            if len(chunks) == 1:
+                checked = leaves
             start += m
         draws = self._batch_draws(layout.batch_draws, device)
         start = 0
         for m, p in chunks:
             compiled = graphs[p]
-            leaves = chunk(m, p, start)
+            leaves = checked if checked is not None else chunk(m, p, start)
+            checked = None
             start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             grad_was = torch.is_grad_enabled()
@@ -642,7 +646,8 @@ class DPStep:
         rows = x[start : start + m]
         if m == p:
             return rows
-        return torch.cat([rows, rows.new_zeros((p - m, *x.shape[1:]))], dim=0)
+        # One kernel and one allocation (zeros and a concatenation were two of each).
+        return torch.constant_pad_nd(rows, [0, 0] * (x.dim() - 1) + [0, p - m], 0)
 
     def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Small input tensors (C, masks) built once per device and size, never written to."""

@@ -65,6 +65,7 @@ __all__ = [
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
+    "emit_kept_prefix",
     "merge_groups",
     "merge_parts",
     "value_key",
@@ -1064,7 +1065,7 @@ def emit_clipped_sum(
     clip: fx.Node,
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
-    all_kept: fx.Node | None = None,
+    kept_prefix: fx.Node | None = None,
     em_factors: Emitter | None = None,
     cache: dict | None = None,
 ) -> fx.Node:
@@ -1074,8 +1075,8 @@ def emit_clipped_sum(
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``clip``: the 0-d float64 node of ``C_eff`` (the underflow test of
-    :func:`~._kernels.underflow_unsafe` measures against it); ``all_kept``: a node holding
-    ``kept.all()``, shared by every call in one graph (emitted here when not given).
+    :func:`~._kernels.underflow_unsafe` measures against it); ``kept_prefix``: the node of
+    :func:`emit_kept_prefix`, shared by every call in one graph (emitted here when not given).
     ``em_factors``: an emitter where the factors are live (the norm's), for the per-example
     bound on the operator's partner operand that spares its host test a pass over it (CPU
     graphs, float32-or-lower partners; memoised in ``cache``, e.g. q, k and v share theirs)."""
@@ -1128,12 +1129,22 @@ def emit_clipped_sum(
             # operator reads both factors in (example, k)-major order without a copy; the
             # selects and the scaling happen inside it, one layer at a time.
             at = em(aten.permute.default, f.a, [0, 2, 1])
-            if all_kept is None:
-                all_kept = em(aten.all.default, kept)
+            if kept_prefix is None:
+                kept_prefix = emit_kept_prefix(em, kept)
             partner_sq = _partner_sq(em_factors or em, f, {} if cache is None else cache)
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, all_kept, clip, partner_sq)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip, partner_sq)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def emit_kept_prefix(em: Emitter, kept: fx.Node) -> fx.Node:
+    """``opake::bookkeeping_mm``'s ``kept_prefix`` (:func:`~._kernels.kept_prefix`) as graph
+    ops on the ``(P,)`` bool ``kept``: 0-d int64, the number of kept rows when they are
+    exactly the first ones (every example kept; a chunk padded at its end), else -1."""
+    m = em(aten.sum.default, kept, dtype=torch.int64)
+    lead = em(aten.lt.Tensor, em(aten.arange.default, shape(kept)[0], dtype=torch.int64, device=val(kept).device), m)
+    prefix = em(aten.all.default, em(aten.eq.Tensor, kept, lead))
+    return em(aten.where.self, prefix, m, em(aten.scalar_tensor.default, -1, dtype=torch.int64, device=val(kept).device))
 
 
 def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:
@@ -1143,7 +1154,8 @@ def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:
     instead of reading the operand (:func:`~._kernels._caught_on_host`). ``None`` off the
     CPU (no host test there) and for float64 operands (rare; their squares can overflow where
     the float64 threshold does not, so the operator reads them instead)."""
-    partner, n = (f.b, f.k * f.cols) if _kernels.partner_of(f.rows, f.cols) == "b" else (f.a, f.k * f.rows)
+    r, c = shape(f.a)[1], shape(f.b)[2]  # the operator's R and C: at = A^T is (P, K, R)
+    partner, n = (f.b, f.k * c) if _kernels.partner_of(r, c) == "b" else (f.a, f.k * r)
     v = val(partner)
     if not _kernels._host_reads_are_free(v) or v.dtype == NORM_DTYPE or not v.dtype.is_floating_point:
         return None

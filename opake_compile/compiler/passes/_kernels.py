@@ -19,12 +19,12 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, float32_matmul_is_ieee, ieee_float32_matmul
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "partner_of", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "kept_prefix", "partner_of", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
 _LIB.define(
-    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor all_kept, Tensor clip, "
+    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor clip, "
     "Tensor? partner_sq=None) -> Tensor"
 )
 
@@ -34,7 +34,7 @@ def bookkeeping_mm(
     b: torch.Tensor,
     kept: torch.Tensor,
     factor: torch.Tensor,
-    all_kept: torch.Tensor,
+    kept_prefix: torch.Tensor,
     clip: torch.Tensor,
     partner_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -46,8 +46,9 @@ def bookkeeping_mm(
         kept: ``(P,)`` bool; excluded rows contribute exactly zero, even when they hold
             NaN or inf (they are selected away, never multiplied by zero).
         factor: ``(P,)`` clip factors; its dtype is the accumulation dtype of the result.
-        all_kept: 0-d bool, ``kept.all()`` (computed once in the graph rather than reduced
-            again in every layer's call).
+        kept_prefix: 0-d int64, ``m`` when ``kept`` is True on exactly its first ``m`` rows,
+            else -1 (:func:`kept_prefix`; computed once in the graph and read by every
+            layer's call, rather than reduced and tested again in each).
         clip: 0-d float64, the effective clipping norm ``C_eff``; the test of
             :func:`underflow_unsafe` measures the scaled operand's underflow against it.
         partner_sq: optional ``(P,)`` float64, per example an upper bound on the sum of
@@ -74,7 +75,7 @@ def bookkeeping_mm(
     # rows are sliced off (views: they never enter the product, so their NaN or inf cannot
     # either) and only the smaller factor is copied (scaled). Otherwise, and always on an
     # accelerator (where reading ``kept`` would be a host sync per layer), the selects run.
-    rows = _kept_prefix(kept, all_kept)
+    rows = _kept_prefix(kept_prefix)
     if rows is not None and rows < p:
         at, b, kept, factor = at[:rows], b[:rows], kept[:rows], factor[:rows]
         partner_sq = None if partner_sq is None else partner_sq[:rows]
@@ -172,14 +173,22 @@ def _host_reads_are_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def _kept_prefix(kept: torch.Tensor, all_kept: torch.Tensor) -> int | None:
-    """``m`` when ``kept`` (on the CPU) is True on exactly its first ``m`` rows, else ``None``."""
-    if not _host_reads_are_free(all_kept):
+def kept_prefix(kept: torch.Tensor) -> torch.Tensor:
+    """The operator's ``kept_prefix`` argument for a ``(P,)`` bool ``kept``: 0-d int64, ``m``
+    when ``kept`` is True on exactly its first ``m`` rows, else -1 (for direct calls; graphs
+    emit the same ops once, ``_factors.emit_kept_prefix``)."""
+    m = kept.sum(dtype=torch.int64)
+    lead = torch.arange(kept.shape[0], device=kept.device) < m
+    return torch.where(torch.eq(kept, lead).all(), m, -1)
+
+
+def _kept_prefix(kept_prefix: torch.Tensor) -> int | None:
+    """``m`` when the kept examples are exactly the first ``m`` rows (read on the CPU, one
+    host read per call), else ``None``."""
+    if not _host_reads_are_free(kept_prefix):
         return None
-    if bool(all_kept):
-        return kept.shape[0]
-    m = int(kept.sum())
-    return m if bool(kept[:m].all()) else None
+    m = int(kept_prefix)
+    return m if m >= 0 else None
 
 
 def _exact_scaling(
@@ -321,7 +330,7 @@ def _(
     b: torch.Tensor,
     kept: torch.Tensor,
     factor: torch.Tensor,
-    all_kept: torch.Tensor,
+    kept_prefix: torch.Tensor,
     clip: torch.Tensor,
     partner_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -329,7 +338,7 @@ def _(
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
-    torch._check(all_kept.dim() == 0 and all_kept.dtype == torch.bool)
+    torch._check(kept_prefix.dim() == 0 and kept_prefix.dtype == torch.int64)
     torch._check(clip.dim() == 0 and clip.dtype == torch.float64)
     return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
 

@@ -109,8 +109,11 @@ things are needed:
    ``2^-150 sqrt(R_s) K sqrt(C_p) max |partner|`` could exceed :data:`UNDERFLOW_SHARE` of
    ``C_eff`` (``_kernels.underflow_unsafe``; ``f_i = 1`` is never caught; at C >= 10^-6 and
    GPT-2 shapes only partners beyond ~2^80 are). ``opake::bookkeeping_mm`` tests this on the
-   CPU and then forms a caught example's float32 products in float64 (exact), every other
-   example's exactly as if none had been caught, and rounds the total once (per example: when
+   CPU (first against the graph's per-example upper bound on the partner's sum of squares,
+   whose square root bounds every entry: only a bound past the threshold, an overflowed one
+   or a NaN sends it to the per-example test) and then forms a caught example's float32
+   products in float64 (exact), every other example's exactly as if none had been caught,
+   and rounds the total once (per example: when
    one caught example switched the whole call, removing it also removed the float32 rounding
    of every other product, systematic over identical near-cancelling examples: 1.019 C), or,
    for float64 sums, applies ``f_i`` to the operand with the larger entries and refuses

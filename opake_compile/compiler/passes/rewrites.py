@@ -38,6 +38,7 @@ from opake_compile.compiler.passes._factors import (
     Factor,
     fast_gram_ok,
     emit_clipped_sum,
+    emit_kept_prefix,
     emit_sq_norm,
     emit_sq_norm_materialized,
     ghost_cost,
@@ -424,8 +425,9 @@ def _ghost_clipping(
         candidates, holders = _survey(graph, sq_nodes, force, enabled, sum_acc)
         budget = int(materialize_budget * _baseline_bytes(graph, forward))
         direct = _choose_direct(candidates, holders, budget)
-    # kept.all(), read by every book-keeping call: computed once, before the output.
-    all_kept = Emitter(graph, before=out_node)(aten.all.default, kept)
+    # Whether the kept examples are a prefix (and how many), read by every book-keeping call:
+    # computed once, before the output.
+    all_kept = emit_kept_prefix(Emitter(graph, before=out_node), kept)
     for name, sq in sq_nodes.items():
         wanted = force.get(name, "auto")
         if wanted == "materialized":
@@ -468,7 +470,7 @@ def _ghost_clipping(
             notes[name] = why
         for rule in used or ():
             matches[rule] = matches.get(rule, 0) + 1
-    if not all_kept.users:
+    if not all_kept.users:  # (its inputs are dead too: dead-code elimination removes them)
         graph.erase_node(all_kept)
     return PassReport(
         name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes, methods=methods
