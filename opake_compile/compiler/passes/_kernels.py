@@ -325,15 +325,7 @@ _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("opake::bookkeeping_mm")
-def _(
-    at: torch.Tensor,
-    b: torch.Tensor,
-    kept: torch.Tensor,
-    factor: torch.Tensor,
-    kept_prefix: torch.Tensor,
-    clip: torch.Tensor,
-    partner_sq: torch.Tensor | None = None,
-) -> torch.Tensor:
+def _(at, b, kept, factor, kept_prefix, clip, partner_sq=None) -> torch.Tensor:  # (the operator's tensors)
     torch._check(partner_sq is None or (partner_sq.shape == (at.shape[0],) and partner_sq.dtype == torch.float64))
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
