@@ -153,6 +153,40 @@ def test_a_padded_single_chunk_is_copied_once_for_its_checks_and_its_run(monkeyp
     assert_trees_close(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("n", [5, 8], ids=["padded", "full"])
+def test_a_loss_that_edits_its_labels_in_place_sees_them_edited_once(n):
+    # The labels' range check replays how the loss computes them, here an in-place shift; it
+    # ran on the very leaves the graph then ran on, so the graph saw the labels shifted twice
+    # (a review: the sum moved by 5.0 from the loss as written). The check now runs on copies.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 4)
+
+    def loss(m, x, y):
+        y.add_(1)
+        return F.cross_entropy(m(x), y, reduction="sum")
+
+    step = compile_dp(loss, model=model, clipping_norm=10.0, physical_batch_size=8, backend="aot_eager")
+    x, y = torch.randn(n, 3, generator=seeded(1)), torch.randint(0, 2, (n,), generator=seeded(2))
+    got = step(x, y.clone()).clipped.grads
+    assert any(c.mutates for c in list(step._cache.values())[-1].traced.input_checks)
+    want, _ = loop_reference(model, lambda m, a, b: F.cross_entropy(m(a), b + 1, reduction="sum"), (x, y), 10.0)
+    assert_trees_close(got, want, torch.float32)
+
+
+def test_a_padded_channels_last_batch_gives_what_its_contiguous_copy_gives():
+    # Every chunk reaches the graph contiguous, whatever the batch's layout: padded with its
+    # channels_last layout kept, a convolution's sum rounded differently (4.7e-9); a full
+    # channels_last chunk in a graph traced on a padded (contiguous) one failed in a view.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    step = compile_dp(lambda m, x: m(x).pow(2).sum(), model=model, clipping_norm=0.5, physical_batch_size=4,
+                      backend="aot_eager")
+    for n in (3, 6, 4):
+        x = torch.randn(n, 2, 6, 6, generator=seeded(n)).to(memory_format=torch.channels_last)
+        got, want = step(x).clipped.grads, step(x.contiguous()).clipped.grads
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_padded_rows_contribute_zero_even_when_they_would_be_nan():
     """The padded rows are zeros; log(0) = -inf makes their gradients non-finite. They must be
     masked away (not counted as non-finite real examples), and results equal the reference."""

@@ -42,18 +42,24 @@ class InputCheck:
             graph's input order) to the checked tensor, batch dimension first ``(P, ...)``.
         test: see :data:`Test`.
         what: what is checked (the tracer's warning names it when a check has to be dropped).
+        mutates: the value's graph writes to a tensor in place (a loss that edits its labels
+            with ``y.add_(1)`` before ``cross_entropy``): it then runs on copies of the leaves,
+            so that the step's own run sees them as the loss does, edited once.
     """
 
     value: fx.GraphModule | int
     test: Test
     what: str
+    mutates: bool = False
 
     def run(self, leaves: Sequence[torch.Tensor], rows: int, first_row: int) -> str | None:
         """The test's message on the first ``rows`` rows of the value, or None when they pass.
         (An ``int`` value is the index of a leaf checked as it is, singleton dimensions the
-        value added left out: no graph call.)"""
+        value added left out: no graph call.) The leaves are never written to."""
         if isinstance(self.value, int):
             return self.test(leaves[self.value][:rows], first_row)
+        if self.mutates:
+            leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         with torch.no_grad():
             value = self.value(*leaves)
         return self.test(value[:rows], first_row)
@@ -88,7 +94,7 @@ class InputCheckRecorder:
                 if not quiet:
                     self.dropped.append(what)
             else:
-                checks.append(InputCheck(value=value, test=test, what=what))
+                checks.append(InputCheck(value=value, test=test, what=what, mutates=_mutates(value)))
         return tuple(checks)
 
 
@@ -171,6 +177,14 @@ def range_test(what: str, low: int, high: int, *, ignore: int | None = None, hin
         return f"{what} {bad} in example {first_row + row} of the batch is outside [{low}, {high}]{hint}."
 
     return test
+
+
+def _mutates(gm: fx.GraphModule) -> bool:
+    """Whether any op of ``gm`` writes to one of its arguments (a mutable schema)."""
+    return any(
+        n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+        for n in gm.graph.nodes
+    )
 
 
 def _extract(

@@ -586,7 +586,9 @@ class DPStep:
 
         def chunk(m: int, p: int, start: int) -> list:
             if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
-                return flat
+                if all(k != "batched" or x.is_contiguous() for x, k in zip(flat, kinds)):
+                    return flat
+                return [x.contiguous() if k == "batched" else x for x, k in zip(flat, kinds)]
             return [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
 
         # Checks on real values that the graph cannot make (e.g. labels within the vocabulary,
@@ -642,12 +644,16 @@ class DPStep:
     @staticmethod
     def _rows(i: int, x: torch.Tensor, start: int, m: int, p: int) -> torch.Tensor:
         """Rows ``start:start+m`` of a batched leaf, zero-padded to ``p`` rows (a fresh tensor:
-        the step keeps no copy of a batch between calls)."""
+        the step keeps no copy of a batch between calls), contiguous: the graphs are traced
+        and compiled for contiguous batches (a channels_last batch in a graph traced on a
+        contiguous one failed in a view, and would fail Inductor's stride checks)."""
         rows = x[start : start + m]
         if m == p:
-            return rows
-        # One kernel and one allocation (zeros and a concatenation were two of each).
-        return torch.constant_pad_nd(rows, [0, 0] * (x.dim() - 1) + [0, p - m], 0)
+            return rows.contiguous()
+        # One kernel and one allocation (zeros and a concatenation were two of each); laid
+        # out contiguously, as the concatenation was (a channels_last batch keeps its layout
+        # in constant_pad_nd, and a different layout rounds a convolution differently).
+        return torch.constant_pad_nd(rows, [0, 0] * (x.dim() - 1) + [0, p - m], 0).contiguous()
 
     def _constant(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Small input tensors (C, masks) built once per device and size, never written to."""
@@ -777,16 +783,17 @@ def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
 
 
 def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
-    """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows."""
+    """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows,
+    contiguous (as :meth:`DPStep._rows` hands them to the graph)."""
 
     def pad(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             return x
         rows = x[start : start + m]
         if m == p:
-            return rows
+            return rows.contiguous()
         fill = rows.new_zeros((p - m, *x.shape[1:]))
-        return torch.cat([rows, fill], dim=0)
+        return torch.cat([rows, fill], dim=0).contiguous()
 
     return tuple(optree.tree_map(pad, a, none_is_leaf=True) if i in batched else a for i, a in enumerate(args))
 
