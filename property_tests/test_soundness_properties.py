@@ -280,3 +280,56 @@ def test_inductor_near_cancelling_positions(path, log_m, seed):
     step = _cancel_step(path, 1.0, "inductor")
     x, v = _cancel_inputs(log_m, seed)
     assert removal_ratio(step, (x, v), 1.0) <= 1.0
+
+
+# --------------------------------------------------------- the operator's partner bound
+def _eager_partner_sq(x: torch.Tensor) -> torch.Tensor:
+    """``emit_sum_sq_bound(x, [1, 2], n)`` evaluated eagerly: the bound the graph hands the
+    operator (float32 sum of squares, times 1 + gamma_n, plus n 2^-149 for underflow)."""
+    from opake_compile.compiler.passes.numerics import FLOAT32_TINY, gamma, unit_roundoff
+
+    n = x.shape[1] * x.shape[2]
+    x32 = x.float()
+    sq = (x32 * x32).sum((1, 2)).double()
+    return sq * (1.0 + gamma(n, unit_roundoff(torch.float32))) + n * FLOAT32_TINY
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**16),
+    log_partner=st.integers(-40, 60),
+    log_clip=st.integers(-110, 0),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    kept_kind=st.sampled_from(["all", "prefix", "holes"]),
+    wide_left=st.booleans(),
+)
+def test_the_partner_bound_never_changes_the_operators_sum(seed, log_partner, log_clip, dtype, kept_kind, wide_left):
+    # The graph's per-example bound on the partner's sum of squares only decides whether the
+    # operator may skip reading the partner: with it or without it, the book-keeping sum is
+    # the same bit for bit, huge partners next to subnormal-scaled entries included (the
+    # examples the exact path exists for), with NaN in excluded rows.
+    from opake_compile.compiler.passes import _kernels
+
+    g = _local(seed)
+    p, k, r, c = 5, 3, (6 if wide_left else 2), (2 if wide_left else 6)
+    at = torch.randn(p, k, r, generator=g)
+    b = torch.randn(p, k, c, generator=g)
+    big = min(2.0**log_partner, 1e4 if dtype == torch.float16 else 2.0**60)
+    partner = b if _kernels.partner_of(r, c) == "b" else at
+    partner[1, 0, 0] = big  # one example's huge partner entry
+    (at if partner is b else b)[1] *= 2.0**-30  # next to tiny scaled entries
+    kept = torch.ones(p, dtype=torch.bool)
+    if kept_kind == "prefix":
+        kept[3:] = False
+    elif kept_kind == "holes":
+        kept[2] = False
+    at[~kept] = float("nan")
+    at, b = at.to(dtype), b.to(dtype)
+    factor = torch.where(kept, torch.rand(p, generator=g) * 0.9 + 0.05, 0.0)
+    clip = torch.tensor(2.0**log_clip, dtype=torch.float64)
+    prefix = _kernels.kept_prefix(kept)
+    partner = b if _kernels.partner_of(r, c) == "b" else at
+    want = _kernels.bookkeeping_mm(at, b, kept, factor, prefix, clip)
+    got = _kernels.bookkeeping_mm(at, b, kept, factor, prefix, clip, _eager_partner_sq(partner))
+    assert torch.equal(got, want)
+    assert bool(torch.isfinite(want).all())
