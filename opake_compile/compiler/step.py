@@ -783,17 +783,11 @@ def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
 
 
 def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
-    """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows,
-    contiguous (as :meth:`DPStep._rows` hands them to the graph)."""
+    """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows
+    and contiguous, as :meth:`DPStep._rows` hands them to the graph (it makes them)."""
 
     def pad(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return x
-        rows = x[start : start + m]
-        if m == p:
-            return rows.contiguous()
-        fill = rows.new_zeros((p - m, *x.shape[1:]))
-        return torch.cat([rows, fill], dim=0).contiguous()
+        return DPStep._rows(0, x, start, m, p) if isinstance(x, torch.Tensor) else x
 
     return tuple(optree.tree_map(pad, a, none_is_leaf=True) if i in batched else a for i, a in enumerate(args))
 

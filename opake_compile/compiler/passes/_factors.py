@@ -65,7 +65,6 @@ __all__ = [
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
-    "emit_kept_prefix",
     "merge_groups",
     "merge_parts",
     "value_key",
@@ -1076,7 +1075,7 @@ def emit_clipped_sum(
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``clip``: the 0-d float64 node of ``C_eff`` (the underflow test of
     :func:`~._kernels.underflow_unsafe` measures against it); ``kept_prefix``: the node of
-    :func:`emit_kept_prefix`, shared by every call in one graph (emitted here when not given).
+    :func:`~._kernels.kept_prefix`, shared by every call in one graph (emitted here when not given).
     ``em_factors``: an emitter where the factors are live (the norm's), for the per-example
     bound on the operator's partner operand that spares its host test a pass over it (CPU
     graphs, float32-or-lower partners; memoised in ``cache``, e.g. q, k and v share theirs)."""
@@ -1130,21 +1129,11 @@ def emit_clipped_sum(
             # selects and the scaling happen inside it, one layer at a time.
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if kept_prefix is None:
-                kept_prefix = emit_kept_prefix(em, kept)
+                kept_prefix = _kernels.kept_prefix(kept, em)
             partner_sq = _partner_sq(em_factors or em, f, {} if cache is None else cache)
             term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip, partner_sq)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
-
-
-def emit_kept_prefix(em: Emitter, kept: fx.Node) -> fx.Node:
-    """``opake::bookkeeping_mm``'s ``kept_prefix`` (:func:`~._kernels.kept_prefix`) as graph
-    ops on the ``(P,)`` bool ``kept``: 0-d int64, the number of kept rows when they are
-    exactly the first ones (every example kept; a chunk padded at its end), else -1."""
-    m = em(aten.sum.default, kept, dtype=torch.int64)
-    lead = em(aten.lt.Tensor, em(aten.arange.default, shape(kept)[0], dtype=torch.int64, device=val(kept).device), m)
-    prefix = em(aten.all.default, em(aten.eq.Tensor, kept, lead))
-    return em(aten.where.self, prefix, m, em(aten.scalar_tensor.default, -1, dtype=torch.int64, device=val(kept).device))
 
 
 def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:

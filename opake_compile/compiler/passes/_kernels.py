@@ -173,13 +173,17 @@ def _host_reads_are_free(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def kept_prefix(kept: torch.Tensor) -> torch.Tensor:
+def kept_prefix(kept, call=None):
     """The operator's ``kept_prefix`` argument for a ``(P,)`` bool ``kept``: 0-d int64, ``m``
-    when ``kept`` is True on exactly its first ``m`` rows, else -1 (for direct calls; graphs
-    emit the same ops once, ``_factors.emit_kept_prefix``)."""
-    m = kept.sum(dtype=torch.int64)
-    lead = torch.arange(kept.shape[0], device=kept.device) < m
-    return torch.where(torch.eq(kept, lead).all(), m, -1)
+    when ``kept`` is True on exactly its first ``m`` rows, else -1. ``call`` as for
+    :func:`underflow_unsafe` (default :func:`_eager`, on tensors; graphs pass their
+    :class:`~opake_compile.compiler._graph_utils.Emitter` and compute it once per graph)."""
+    aten, call = torch.ops.aten, call or _eager
+    v = val(kept)
+    m = call(aten.sum.default, kept, dtype=torch.int64)
+    lead = call(aten.lt.Tensor, call(aten.arange.default, v.shape[0], dtype=torch.int64, device=v.device), m)
+    prefix = call(aten.all.default, call(aten.eq.Tensor, kept, lead))
+    return call(aten.where.self, prefix, m, call(aten.scalar_tensor.default, -1, dtype=torch.int64, device=v.device))
 
 
 def _kept_prefix(kept_prefix: torch.Tensor) -> int | None:

@@ -32,13 +32,13 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, nodes_with_role, shape, val
+from opake_compile.compiler.passes import _kernels
 from opake_compile.compiler.passes._base import PassReport
 from opake_compile.compiler.passes._factors import (
     GRAM_COST_FACTOR,
     Factor,
     fast_gram_ok,
     emit_clipped_sum,
-    emit_kept_prefix,
     emit_sq_norm,
     emit_sq_norm_materialized,
     ghost_cost,
@@ -427,7 +427,7 @@ def _ghost_clipping(
         direct = _choose_direct(candidates, holders, budget)
     # Whether the kept examples are a prefix (and how many), read by every book-keeping call:
     # computed once, before the output.
-    all_kept = emit_kept_prefix(Emitter(graph, before=out_node), kept)
+    kept_prefix = _kernels.kept_prefix(kept, Emitter(graph, before=out_node))
     for name, sq in sq_nodes.items():
         wanted = force.get(name, "auto")
         if wanted == "materialized":
@@ -449,7 +449,7 @@ def _ghost_clipping(
         try:
             label, why, used, method = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
-                bookkeeping, grams, kept, factor, clip, sum_acc, all_kept, forward,
+                bookkeeping, grams, kept, factor, clip, sum_acc, kept_prefix, forward,
             )
             done = used is not None
         except _RuleFailed as err:
@@ -470,8 +470,8 @@ def _ghost_clipping(
             notes[name] = why
         for rule in used or ():
             matches[rule] = matches.get(rule, 0) + 1
-    if not all_kept.users:  # (its inputs are dead too: dead-code elimination removes them)
-        graph.erase_node(all_kept)
+    if not kept_prefix.users:  # (its inputs are dead too: dead-code elimination removes them)
+        graph.erase_node(kept_prefix)
     return PassReport(
         name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes, methods=methods
     )
@@ -492,7 +492,7 @@ def _rewrite_parameter(
     factor: fx.Node,
     clip: fx.Node,
     sum_acc: torch.dtype,
-    all_kept: fx.Node,
+    kept_prefix: fx.Node,
     forward: frozenset[fx.Node],
 ) -> tuple[str | None, str | None, list[str] | None]:
     """Try to rewrite one parameter's norm and clipped sum (``forward``: the nodes the losses
@@ -547,7 +547,7 @@ def _rewrite_parameter(
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, all_kept, em, grams))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix, em, grams))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
