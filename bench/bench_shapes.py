@@ -17,7 +17,10 @@ that fails prints why).
 Models (``--models``): ``gpt2_t256_b8``, ``gpt2_t256_b32``, ``gpt2_t512_b8``, ``gpt2_t512_b32``
 (transformers GPT-2, n_layer 2, n_embd 768, 12 heads, vocabulary cut to ``--vocab`` so the LM
 head does not dominate), ``vit_b16`` (patch 16 at 224 x 224, one encoder block of width 768,
-12 heads, MLP 3072, 1000 classes, B = 16), ``llama_t512`` (transformers Llama, one decoder
+12 heads, MLP 3072, 1000 classes, B = 16; attention by ``F.scaled_dot_product_attention``
+as in timm's and transformers' ViTs: before 2026-12-03 it was written out as softmax and
+products, which Inductor turns into the fused kernel for the non-private rows only),
+``llama_t512`` (transformers Llama, one decoder
 layer: RMSNorm, rotary positions, 12 query heads sharing 4 key/value heads, hidden 768, MLP
 2048, T = 512, B = 4), ``gpt2_lora`` (peft rank-8 LoRA on ``c_attn`` of the GPT-2 shape,
 T = 256, B = 8).
@@ -32,7 +35,6 @@ These are heavy on a small CPU: a full run compiles several minutes per model.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import time
@@ -102,7 +104,7 @@ def build_vit(bs: Any, quick: bool) -> Any:
             bsz, n, _ = x.shape
             q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
             q, k, v = (z.reshape(bsz, n, heads, d // heads).transpose(1, 2) for z in (q, k, v))
-            att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(d // heads), dim=-1) @ v
+            att = nn.functional.scaled_dot_product_attention(q, k, v)  # as timm's and HF's ViTs
             x = x + self.proj(att.transpose(1, 2).reshape(bsz, n, d))
             return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
 
@@ -127,7 +129,7 @@ def build_vit(bs: Any, quick: bool) -> Any:
     def make_batch(n: int, g: Any) -> tuple:
         return torch.randn(n, 3, img, img, generator=g), torch.randint(0, classes, (n,), generator=g)
 
-    desc = f"ViT-B/16 width: patch {patch} at {img}x{img}, 1 block d={d} heads={heads} MLP {mlp}, B={b}"
+    desc = f"ViT-B/16 width: patch {patch} at {img}x{img}, 1 block d={d} heads={heads} (SDPA) MLP {mlp}, B={b}"
     return bs.Spec("vit_b16", ViT(), b, make_batch, lambda m, x, y: (m(x), y, None), desc)
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from opake_compile import compile_dp
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, kept_prefix
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, SLICED_GRAM, kept_prefix
 
 _C = torch.tensor(1.0, dtype=torch.float64)  # C_eff: ordinary, so the underflow test never fires here
 
@@ -146,6 +146,27 @@ def test_kept_prefix_counts_leading_kept_rows_only_when_they_are_all(kept, want)
     got = _kernels.kept_prefix(torch.tensor(kept))
     assert got.dtype == torch.int64 and got.dim() == 0 and int(got) == want
     assert _kernels._kept_prefix(got) == (None if want < 0 else want)
+
+
+@pytest.mark.parametrize("n, size", [(300, 100), (301, 101), (129, 65), (64, 128)])
+def test_sliced_gram_adds_the_float32_slice_products_in_float64_in_order(n, size):
+    # The graph form it replaced: a float32 product per slice, cast, added left to right.
+    # Equal bit for bit (the rounding bound of _gram_entry_gamma assumes exactly this), on
+    # non-contiguous views as the panels pass them, with entries spread over 2^40 so that a
+    # different order or a float32 sum would show.
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, n, 7, generator=g) * torch.exp2(torch.randint(-20, 20, (3, n, 1), generator=g))).transpose(1, 2)
+    y = torch.randn(3, 9, n, generator=g).transpose(1, 2)[:, :, 1:]
+    want = None
+    for start in range(0, n, size):
+        part = torch.bmm(x[:, :, start : start + size], y[:, start : start + size]).double()
+        want = part if want is None else want + part
+    got = SLICED_GRAM(x, y, size)
+    assert got.dtype == torch.float64 and got.shape == (3, 7, 8)
+    assert torch.equal(got, want)
+    with FakeTensorMode():
+        fake = SLICED_GRAM(torch.empty(3, 7, n), torch.empty(3, n, 8), size)
+    assert fake.shape == (3, 7, 8) and fake.dtype == torch.float64
 
 
 def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():

@@ -722,11 +722,17 @@ def test_float32_gram_norms_are_never_below_the_exact_norm(kind, r, k):
     g_r, g_c = _factors._gram_entry_gamma(r), _factors._gram_entry_gamma(c)  # a shape the float32 form takes:
     assert (g_r + g_c) * math.sqrt(k) <= _factors.FAST_GRAM_OVERCLIP
     graph = next(iter(step._cache.values())).traced.gm.graph
-    products = [n for n in graph.nodes if n.target is torch.ops.aten.bmm.default]
-    # Every float32 Gram product runs over at most GRAM_CHUNK terms, and together they form
-    # each entry of the panels (the upper triangle of blocks) once per slice of A's R and
-    # B's C terms: R = 2500 in 20 slices of 125.
-    shapes = [n.args[0].meta["val"].shape + n.args[1].meta["val"].shape[2:] for n in products]
+    # Every float32 Gram product runs over at most GRAM_CHUNK terms (a product of its own, or
+    # one slice of an opake::sliced_gram), and together they form each entry of the panels
+    # (the upper triangle of blocks) once per slice of A's R and B's C terms: R = 2500 in 20
+    # slices of 125.
+    shapes = []
+    for n in graph.nodes:
+        if n.target is torch.ops.aten.bmm.default:
+            shapes.append(n.args[0].meta["val"].shape + n.args[1].meta["val"].shape[2:])
+        elif n.target is _kernels.SLICED_GRAM:
+            (b, m, terms), cols, size = n.args[0].meta["val"].shape, n.args[1].meta["val"].shape[2], n.args[2]
+            shapes += [(b, m, min(size, terms - start), cols) for start in range(0, terms, size)]
     assert all(n <= _factors.GRAM_CHUNK for _, _, n, _ in shapes)
     slices = -(-r // _factors.GRAM_CHUNK) + -(-c // _factors.GRAM_CHUNK)
     panel_entries = sum((stop - start) * (k - start) for start, stop in _factors._panel_rows(k))

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes import _kernels
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, underflow_unsafe
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, SLICED_GRAM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
@@ -223,9 +223,9 @@ THIN = 2
 def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
     """``bmm(x, y)`` for ``x`` (P, K1, n) and ``y`` (P, n, K2). In float32 with n above
     :data:`GRAM_CHUNK`: one product per slice of at most GRAM_CHUNK of the n terms, each cast
-    to float64 (exact) and added there; the result is then float64. (The backend fuses the
-    casts and additions into one pass over the partial products; stacking the slices into
-    one batched product instead needs a copy of the factor and measured slower.) A thin
+    to float64 (exact) and added there as it is formed (``opake::sliced_gram``, one slice's
+    product alive at a time); the result is then float64. (Stacking the slices into one
+    batched product instead needs a copy of the factor and measured slower.) A thin
     float32 product (K1 or K2 at most :data:`THIN`) is one float64 reduction instead: products
     of float32 numbers are exact there and the sum errs by ``gamma_n(u_64)``, inside the
     float32 bound the callers assume (:func:`_gram_entry_gamma`); one pass over the larger
@@ -243,14 +243,7 @@ def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
         return em(aten.stack.default, [em(aten.sum.dim_IntList, em(aten.mul.Tensor, r, y64), [1]) for r in rows], 1)
     if acc != torch.float32 or n <= GRAM_CHUNK:
         return em(aten.bmm.default, x, y)
-    size = _gram_slice(n)
-    total = None
-    for start in range(0, n, size):
-        stop = min(n, start + size)
-        part = em(aten.bmm.default, em(aten.slice.Tensor, x, 2, start, stop), em(aten.slice.Tensor, y, 1, start, stop))
-        part = em(aten._to_copy.default, part, dtype=NORM_DTYPE)
-        total = part if total is None else em(aten.add.Tensor, total, part)
-    return total
+    return em(SLICED_GRAM, x, y, _gram_slice(n))
 
 
 def _gram_a_panels(em: Emitter, f: Factor, acc: torch.dtype) -> list[fx.Node]:
