@@ -148,25 +148,32 @@ def test_kept_prefix_counts_leading_kept_rows_only_when_they_are_all(kept, want)
     assert _kernels._kept_prefix(got) == (None if want < 0 else want)
 
 
-@pytest.mark.parametrize("n, size", [(300, 100), (301, 101), (129, 65), (64, 128)])
+@pytest.mark.parametrize("n, size", [(300, 100), (301, 101), (400, 64), (129, 65), (64, 128)])
 def test_sliced_gram_adds_the_float32_slice_products_in_float64_in_order(n, size):
-    # The graph form it replaced: a float32 product per slice, cast, added left to right.
-    # Equal bit for bit (the rounding bound of _gram_entry_gamma assumes exactly this), on
-    # non-contiguous views as the panels pass them, with entries spread over 2^40 so that a
-    # different order or a float32 sum would show.
+    # The graph form it replaced: a float32 product per slice of `size` terms, cast, added
+    # left to right; the rounding bound of _gram_entry_gamma assumes exactly this. Equal bit
+    # for bit, on non-contiguous views as the panels pass them. Slices 0, 1, 2 are scaled by
+    # 2^45, 1 and -2^45, and slice 2 nearly mirrors slice 0: their products cancel to ~2^25
+    # while slice 1's are ~1, so another order of the float64 additions (reversed, pairwise),
+    # a float32 sum, or slices of another length than `size` (400 terms: 64, not
+    # _gram_slice's 100) would round slice 1's contribution differently.
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(3, n, 7, generator=g) * torch.exp2(torch.randint(-20, 20, (3, n, 1), generator=g))).transpose(1, 2)
-    y = torch.randn(3, 9, n, generator=g).transpose(1, 2)[:, :, 1:]
+    x, y = torch.randn(3, n, 7, generator=g), torch.randn(3, 10, n, generator=g).transpose(1, 2)
+    mirror = max(0, min(size, n - 2 * size))
+    x[:, 2 * size : 2 * size + mirror] = x[:, :mirror] * (1 + 2.0**-20 * torch.randn(3, mirror, 7, generator=g))
+    y[:, 2 * size : 2 * size + mirror] = y[:, :mirror]
+    scale = torch.tensor([2.0**45, 1.0, -(2.0**45)])[(torch.arange(n) // size) % 3]
+    x, y = (x * scale.view(1, n, 1)).transpose(1, 2), y[:, :, 1:]
     want = None
     for start in range(0, n, size):
         part = torch.bmm(x[:, :, start : start + size], y[:, start : start + size]).double()
         want = part if want is None else want + part
     got = SLICED_GRAM(x, y, size)
-    assert got.dtype == torch.float64 and got.shape == (3, 7, 8)
+    assert got.dtype == torch.float64 and got.shape == (3, 7, 9)
     assert torch.equal(got, want)
     with FakeTensorMode():
-        fake = SLICED_GRAM(torch.empty(3, 7, n), torch.empty(3, n, 8), size)
-    assert fake.shape == (3, 7, 8) and fake.dtype == torch.float64
+        fake = SLICED_GRAM(torch.empty(3, 7, n), torch.empty(3, n, 9), size)
+    assert fake.shape == (3, 7, 9) and fake.dtype == torch.float64
 
 
 def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():
