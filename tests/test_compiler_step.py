@@ -187,6 +187,25 @@ def test_a_padded_channels_last_batch_gives_what_its_contiguous_copy_gives():
         assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@pytest.mark.inductor
+@pytest.mark.parametrize("n", [8, 5])  # the batch as it is, and padded to P = 8
+def test_an_unbatched_argument_whose_layout_changes_between_calls_runs_in_the_same_graph(n):
+    # Every tensor argument reaches the graph contiguous, when traced and when run: a
+    # transposed unbatched weight after a contiguous one failed in Inductor's stride check
+    # (an AssertionError about a fake kernel), and a graph traced on a transposed one would
+    # fail on a contiguous one.
+    torch.manual_seed(0)
+    step = compile_dp(lambda m, x, y, w: ((m(x @ w) - y) ** 2).sum(dim=1).mean(), model=nn.Linear(4, 3),
+                      clipping_norm=1.0, batch_argnums=(0, 1), physical_batch_size=8)
+    x, y, w = torch.randn(n, 4, generator=seeded(1)), torch.randn(n, 3, generator=seeded(2)), torch.randn(4, 4)
+    transposed = w.t().contiguous().t()
+    assert not transposed.is_contiguous()
+    first, second = step(x, y, w), step(x, y, transposed)
+    assert step.num_traces == 1 and step.num_backend_compiles == 1
+    assert torch.equal(first.clipped.per_example_norms, second.clipped.per_example_norms)
+    assert all(torch.equal(first.clipped.grads[k], second.clipped.grads[k]) for k in first.clipped.grads)
+
+
 def test_padded_rows_contribute_zero_even_when_they_would_be_nan():
     """The padded rows are zeros; log(0) = -inf makes their gradients non-finite. They must be
     masked away (not counted as non-finite real examples), and results equal the reference."""

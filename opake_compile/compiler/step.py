@@ -585,11 +585,14 @@ class DPStep:
         norms, means, kept_counts = [], [], []
 
         def chunk(m: int, p: int, start: int) -> list:
+            # Every tensor reaches the graph contiguous, as it was traced (_pad_args): the
+            # backend compiles for the traced strides (a transposed unbatched argument failed
+            # in Inductor's stride check).
             if m == n == p:  # a batch of exactly P rows is its own single chunk: no slicing, no padding
-                if all(k != "batched" or x.is_contiguous() for x, k in zip(flat, kinds)):
+                if all(x.is_contiguous() for x in flat):
                     return flat
-                return [x.contiguous() if k == "batched" else x for x, k in zip(flat, kinds)]
-            return [self._rows(i, x, start, m, p) if k == "batched" else x for i, (x, k) in enumerate(zip(flat, kinds))]
+                return [x.contiguous() for x in flat]
+            return [self._rows(i, x, start, m, p) if k == "batched" else x.contiguous() for i, (x, k) in enumerate(zip(flat, kinds))]
 
         # Checks on real values that the graph cannot make (e.g. labels within the vocabulary,
         # compiler/_input_checks.py): every chunk passes before any graph runs or key is split.
@@ -784,12 +787,16 @@ def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
 
 def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
     """Rows ``start:start+m`` of every batched tensor leaf, padded with zeros to ``p`` rows
-    and contiguous, as :meth:`DPStep._rows` hands them to the graph (it makes them)."""
+    and contiguous, as :meth:`DPStep._rows` hands them to the graph (it makes them); the
+    other tensor leaves contiguous, as :meth:`DPStep._run` hands them over."""
 
     def pad(x: Any) -> Any:
         return DPStep._rows(0, x, start, m, p) if isinstance(x, torch.Tensor) else x
 
-    return tuple(optree.tree_map(pad, a, none_is_leaf=True) if i in batched else a for i, a in enumerate(args))
+    def whole(x: Any) -> Any:
+        return x.contiguous() if isinstance(x, torch.Tensor) else x
+
+    return tuple(optree.tree_map(pad if i in batched else whole, a, none_is_leaf=True) for i, a in enumerate(args))
 
 
 def _default_rewrites() -> list[Callable[..., PassReport]]:
