@@ -345,13 +345,11 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
     Returns:
         ``(P, K1, K2)`` float64.
     """
-    n = x.shape[2]
-    total = torch.bmm(x[:, :, :size], y[:, :size]).to(torch.float64)
-    if n > size:
-        part = torch.empty((x.shape[0], x.shape[1], y.shape[2]), dtype=x.dtype, device=x.device)
-        for start in range(size, n, size):
-            torch.bmm(x[:, :, start : start + size], y[:, start : start + size], out=part)
-            total.add_(part)  # float32 into float64: exact cast, one rounding of the sum
+    part = torch.bmm(x[:, :, :size], y[:, :size])  # the first slice's product; reused for the rest
+    total = part.to(torch.float64)
+    for start in range(size, x.shape[2], size):
+        torch.bmm(x[:, :, start : start + size], y[:, start : start + size], out=part)
+        total.add_(part)  # float32 into float64: exact cast, one rounding of the sum
     return total
 
 
