@@ -20,10 +20,14 @@ head does not dominate), ``vit_b16`` (patch 16 at 224 x 224, one encoder block o
 12 heads, MLP 3072, 1000 classes, B = 16; attention by ``F.scaled_dot_product_attention``
 as in timm's and transformers' ViTs: before 2026-12-03 it was written out as softmax and
 products, which Inductor turns into the fused kernel for the non-private rows only),
-``llama_t512`` (transformers Llama, one decoder
-layer: RMSNorm, rotary positions, 12 query heads sharing 4 key/value heads, hidden 768, MLP
-2048, T = 512, B = 4), ``gpt2_lora`` (peft rank-8 LoRA on ``c_attn`` of the GPT-2 shape,
-T = 256, B = 8).
+``llama_t512`` (transformers Llama, one decoder layer: RMSNorm, rotary positions, 12 query
+heads sharing 4 key/value heads, hidden 768, MLP 2048, T = 512, B = 4), ``gpt2_lora`` (peft
+rank-8 LoRA on ``c_attn`` of the GPT-2 shape, T = 256, B = 8).
+
+The transformers models use transformers' default attention, ``attn_implementation="sdpa"``
+(``--attention eager``: softmax and products, the form every row used before 2026-12-03; the
+DP step then keeps the attention probabilities for its backward, 483 MB at its peak against
+431 MB with SDPA on ``gpt2_t256_b8``).
 
     python bench/bench_shapes.py --models gpt2_t256_b8,vit_b16 --rows np_grad,np_backward,dp_default
     python bench/bench_shapes.py --quick                 # tiny sizes: a smoke test of every row
@@ -61,7 +65,7 @@ def torch_ones_like(x: Any) -> Any:
     return torch.ones_like(x)
 
 
-def build_gpt2(bs: Any, quick: bool, t: int, b: int, vocab: int, lora: bool = False) -> Any:
+def build_gpt2(bs: Any, quick: bool, t: int, b: int, vocab: int, attention: str, lora: bool = False) -> Any:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -71,9 +75,9 @@ def build_gpt2(bs: Any, quick: bool, t: int, b: int, vocab: int, lora: bool = Fa
         n_layer=2, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=t, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0, use_cache=False, bos_token_id=vocab - 1, eos_token_id=vocab - 1,
     )
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     model = GPT2LMHeadModel(cfg)
-    desc = f"GPT-2 width n_layer=2 n_embd={d} heads={heads} vocab={vocab} T={t} B={b}"
+    desc = f"GPT-2 width n_layer=2 n_embd={d} heads={heads} vocab={vocab} T={t} B={b}, {attention} attention"
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -133,7 +137,7 @@ def build_vit(bs: Any, quick: bool) -> Any:
     return bs.Spec("vit_b16", ViT(), b, make_batch, lambda m, x, y: (m(x), y, None), desc)
 
 
-def build_llama(bs: Any, quick: bool) -> Any:
+def build_llama(bs: Any, quick: bool, attention: str) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -143,26 +147,26 @@ def build_llama(bs: Any, quick: bool) -> Any:
         num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=t, use_cache=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attention
     model = LlamaForCausalLM(cfg)
 
     def make_batch(n: int, g: Any) -> tuple:
         return (torch.randint(0, vocab, (n, t), generator=g),)
 
-    desc = f"Llama block (RMSNorm, rotary, GQA {heads}q/{kv}kv) hidden={d} MLP {mlp} vocab={vocab} T={t} B={b}"
+    desc = f"Llama block (RMSNorm, rotary, GQA {heads}q/{kv}kv) hidden={d} MLP {mlp} vocab={vocab} T={t} B={b}, {attention} attention"
     return bs.Spec("llama_t512", model, b, make_batch, _lm_logits_targets, desc)
 
 
 def build(bs: Any, name: str, ns: argparse.Namespace) -> Any:
     if name.startswith("gpt2_t"):
         t, b = (int(x[1:]) for x in name[len("gpt2_"):].split("_"))
-        return build_gpt2(bs, ns.quick, t, b, ns.vocab)
+        return build_gpt2(bs, ns.quick, t, b, ns.vocab, ns.attention)
     if name == "gpt2_lora":
-        return build_gpt2(bs, ns.quick, 256, 8, ns.vocab, lora=True)
+        return build_gpt2(bs, ns.quick, 256, 8, ns.vocab, ns.attention, lora=True)
     if name == "vit_b16":
         return build_vit(bs, ns.quick)
     if name == "llama_t512":
-        return build_llama(bs, ns.quick)
+        return build_llama(bs, ns.quick, ns.attention)
     raise SystemExit(f"unknown model {name!r}; choose from {', '.join(ALL_MODELS)}")
 
 
@@ -317,6 +321,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary of the GPT-2 shapes (default %(default)s)")
+    p.add_argument("--attention", default="sdpa", choices=("eager", "sdpa"),
+                   help="attn_implementation of the transformers models: sdpa (transformers' default, "
+                   "the default here since 2026-12-03) or eager (softmax and products, as before)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--verbose", action="store_true", help="print a failing row's traceback")

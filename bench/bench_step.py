@@ -253,7 +253,10 @@ def build_gpt2(quick: bool, *, long: bool = False) -> Spec:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
         bos_token_id=vocab - 1, eos_token_id=vocab - 1,
     )
-    cfg._attn_implementation = "eager"  # SDPA has no vmap batching rule
+    # Eager attention, kept so that this row stays comparable with its earlier measurements;
+    # bench_shapes.py times transformers' default (SDPA, which compile_dp batches since
+    # 2026-11-30) and takes --attention eager for this form.
+    cfg._attn_implementation = "eager"
     model = GPT2LMHeadModel(cfg)  # random weights, tied wte / lm_head, no download
     assert model.config._attn_implementation == "eager", model.config._attn_implementation
 
