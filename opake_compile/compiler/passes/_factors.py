@@ -992,23 +992,29 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     k_total = sum(f.k for f in factors) + len(factors)
     prod = mixed_product_dtype(factors, acc)
     g = None
-    s = None
-    for f in factors:
+    # Dense terms first, one product each; one-hot terms are then added into that product in
+    # place (a scatter-add of B's rows into example i's rows, offset by i R): one P x R x C
+    # buffer alive, not one per term and their sum (a tied LM head at T = 512, P = 8 and a
+    # vocabulary of 8192 held three 201 MB buffers). Each entry is still a float sum of at
+    # most K + J products, so the bound below holds whatever the order of its additions.
+    for f in sorted(factors, key=lambda f: f.onehot):
         if f.onehot:
-            # G_i += sum_k e_{ids_k} b_k^T: one scatter-add over all examples, example i's ids
-            # offset by i R (rows of a padding id zeroed first, as in the sum). Each entry is
-            # a float sum of at most K products a b with |a| = 1, so the bound below holds.
+            # Rows of a padding id zeroed first, as in the sum. int64 ids: P R can exceed int32.
             b_acc = _b_of(em, f, prod)
-            # int64: P R can exceed int32 ids' range.
             offsets = em(aten.arange.start_step, 0, p * f.rows, f.rows, dtype=torch.int64, device=val(f.a).device)
             ids = em(aten.add.Tensor, _as_dtype(em, f.a, torch.int64), em(aten.view.default, offsets, [p, 1]))
-            flat = em(aten.embedding_dense_backward.default, em(aten.reshape.default, b_acc, [p * f.k, f.cols]),
-                      em(aten.reshape.default, ids, [p * f.k]), p * f.rows, -1, False)
-            term = em(aten.view.default, flat, [p, f.rows, f.cols])
+            ids, b_flat = em(aten.reshape.default, ids, [p * f.k]), em(aten.reshape.default, b_acc, [p * f.k, f.cols])
+            if g is None:
+                # G_i = sum_k e_{ids_k} b_k^T for all examples at once (|a| = 1 per product).
+                flat = em(aten.embedding_dense_backward.default, b_flat, ids, p * f.rows, -1, False)
+            else:
+                flat = em(aten.index_put.default, em(aten.reshape.default, g, [p * f.rows, f.cols]), [ids], b_flat, True)
+            g = em(aten.view.default, flat, [p, f.rows, f.cols])
         else:
-            a_acc, b_acc = _as_dtype(em, f.a, prod), _as_dtype(em, f.b, prod)
-            term = em(aten.bmm.default, a_acc, b_acc)
-        g = term if g is None else em(aten.add.Tensor, g, term)
+            term = em(aten.bmm.default, _as_dtype(em, f.a, prod), _as_dtype(em, f.b, prod))
+            g = term if g is None else em(aten.add.Tensor, g, term)
+    s = None
+    for f in factors:
         # Per-position norms, bounded above: ||a_k|| over R (1 for a one-hot column), ||b_k|| over C.
         if acc == NORM_DTYPE:
             # Scaled float64 factors (entries at most 1): a square that underflows loses under
