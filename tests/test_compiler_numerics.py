@@ -949,3 +949,54 @@ def test_flushed_subnormals_are_refused_before_anything_runs():
     assert step.state_dict()["num_calls"] == state["num_calls"]
     assert str(step.state_dict()["key"]) == str(state["key"])
     assert torch.equal(step(x, v).clipped.grads["bias"], before)  # works again once restored
+
+
+class _TiedHead(nn.Module):
+    """Embedding and LM head sharing one matrix, the head's input scaled by ``scale``."""
+
+    def __init__(self, vocab: int, d: int, scale: float) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.scale = scale
+
+    def forward(self, ids):
+        return F.linear(self.norm(self.tok(ids)) * self.scale, self.tok.weight)
+
+
+def _next_token_loss(m, ids):
+    logits = m(ids)[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20], ids=["unit", "tiny-head-input"])
+@pytest.mark.parametrize("pattern", ["random", "one-id-repeated", "identical-examples"])
+def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern, scale):
+    # The mixed path scatter-adds the embedding's rows into the head's float32 product, one
+    # per-example gradient buffer. Ids repeated in a sequence pile up in one entry (a scatter
+    # that overwrote instead of adding, or skipped the embedding term, fails every case here:
+    # checked); a head input 1e-20 puts the head's products near float32's subnormals. (The
+    # rounding slack gamma_{K+J} S is not what this tests: on these data the float32 norm
+    # stays above the float64 one without it.)
+    vocab, d, t, p = 50, 8, 20, 6
+    g = torch.Generator().manual_seed(0)
+    ids = {
+        "random": torch.randint(0, vocab, (p, t), generator=g),
+        "one-id-repeated": torch.full((p, t), 7).index_fill_(1, torch.arange(0, t, 3), 3),
+        "identical-examples": torch.randint(0, vocab, (1, t), generator=g).repeat(p, 1),
+    }[pattern]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = _TiedHead(vocab, d, scale)
+    step = compile_dp(_next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"tok.weight": "mixed"}, materialize_budget=None)])
+    norms = step(ids).clipped.per_example_norms.double()
+    assert "norm materialized" in step.coverage["tok.weight"], step.coverage
+    exact = []
+    m64 = copy.deepcopy(model).double()
+    for i in range(p):
+        m64.zero_grad()
+        _next_token_loss(m64, ids[i : i + 1]).backward()
+        exact.append(torch.sqrt(sum(q.grad.square().sum() for q in m64.parameters())))
+    exact = torch.stack(exact)
+    assert torch.all(norms >= exact), (norms / exact).tolist()
