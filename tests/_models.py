@@ -41,6 +41,8 @@ __all__ = [
     "tree_distance",
     "inductor_retrace_backend",
     "EmptyCacheAttention",
+    "TiedHead",
+    "next_token_loss",
 ]
 
 
@@ -77,6 +79,26 @@ class EmptyCacheAttention(nn.Module):
         k, v = torch.cat([past, k], dim=-2), torch.cat([past, v], dim=-2)
         att = (q @ k.transpose(-1, -2) / math.sqrt(dh)).softmax(-1)
         return self.proj((att @ v).transpose(1, 2).reshape(b, t, self.d))
+
+
+class TiedHead(nn.Module):
+    """A token embedding whose matrix is also the LM head (one parameter with an embedding
+    term and a dense term in its per-example gradient), the head's input scaled by ``scale``."""
+
+    def __init__(self, vocab: int, d: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.norm = nn.LayerNorm(d)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.tok(ids)) * self.scale, self.tok.weight)
+
+
+def next_token_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each position's logits against the next id."""
+    logits = m(ids)[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
 def seeded(seed: int) -> torch.Generator:

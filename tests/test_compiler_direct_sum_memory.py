@@ -18,6 +18,7 @@ from opake_compile.compiler.passes.rewrites import GhostClipping
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_step  # noqa: E402  (the benches' peak-bytes counter)
+from _models import TiedHead, next_token_loss  # noqa: E402
 
 
 def _peak_bytes(fn) -> float:
@@ -61,19 +62,6 @@ def test_direct_sum_extra_peak_stays_near_its_budget_under_aot_eager():
     assert peaks["default"] - peaks["none"] <= 1.5 * budget, (peaks, budget)
 
 
-class _TiedLM(nn.Module):
-    """A token embedding whose matrix is also the LM head: one parameter, an embedding term
-    (one-hot) and a dense term in its per-example gradient."""
-
-    def __init__(self, vocab: int, d: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, ids):
-        return torch.nn.functional.linear(self.norm(self.tok(ids)), self.tok.weight)
-
-
 @pytest.mark.inductor
 def test_a_tied_lm_heads_mixed_norm_holds_one_per_example_gradient_buffer():
     # The mixed path forms the tied matrix's per-example gradient (P x V x d) for its norm.
@@ -83,23 +71,18 @@ def test_a_tied_lm_heads_mixed_norm_holds_one_per_example_gradient_buffer():
     vocab, d, t, p = 4096, 64, 48, 8
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = _TiedLM(vocab, d)
+        model = TiedHead(vocab, d)
         ids = torch.randint(0, vocab, (p, t))
-
-    def loss(m, ids):
-        logits = m(ids)[:, :-1]
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
 
     peaks, results = {}, {}
     for path in ("mixed", "ghost"):
         rw = [GhostClipping(force={"tok.weight": path}, materialize_budget=None)]
-        step = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=p, rewrites=rw)
+        step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, rewrites=rw)
         results[path] = step(ids)
         if path == "mixed":
             assert "norm materialized" in step.coverage["tok.weight"], step.coverage
         peaks[path] = _peak_bytes(lambda: step(ids))
     one = p * vocab * d * 4  # one float32 (P, V, d) buffer
-    print(f"peak bytes {peaks}, one (P, V, d) buffer {one}")
     assert peaks["mixed"] - peaks["ghost"] <= 1.5 * one, (peaks, one)
     # The same norms up to each form's rounding bound, and sums that agree.
     torch.testing.assert_close(results["mixed"].clipped.per_example_norms, results["ghost"].clipped.per_example_norms, rtol=1e-4, atol=0)

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _models import MathTransformer, huge_partner_batch
+from _models import MathTransformer, TiedHead, huge_partner_batch, next_token_loss
 from opake_compile import DPOptimizer, PoissonSampler, compile_dp
 from opake_compile.optim import accumulate
 from opake_compile import random as oprandom
@@ -265,31 +265,15 @@ def test_mixed_path_norms_stay_exact_over_long_sequences():
     assert step.coverage == {"weight": "bk:linear (norm materialized)"}
 
 
-class _TiedLM(nn.Module):
-    """Token embedding, LayerNorm and an LM head sharing the embedding matrix."""
-
-    def __init__(self, vocab: int, d: int) -> None:
-        super().__init__()
-        self.tok, self.norm = nn.Embedding(vocab, d), nn.LayerNorm(d)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(self.tok(ids)), self.tok.weight)
-
-
 def test_tied_lm_head_over_a_long_sequence_forms_its_norm_per_example():
     # T (R + C) > R C: the Gram form of the tied table (float64 K x K Grams over the vocabulary,
     # 12 % of GPT-2 width's DP step at T = 512) costs more than one scatter-add and one
     # product per example. The norm stays within the contract's tolerance of the oracle.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(16)
-        lm = _TiedLM(64, 32)
+        lm = TiedHead(64, 32)
     ids = torch.randint(0, 64, (2, 128), generator=_gen(16))
-
-    def loss(m, ids):
-        logits = m(ids)[:, :-1]
-        return F.cross_entropy(logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
-
-    step, _ = _assert_norms_exact(lm, loss, (ids,), 2, tol=1e-3)
+    step, _ = _assert_norms_exact(lm, next_token_loss, (ids,), 2, tol=1e-3)
     assert step.coverage["tok.weight"] == "bk:embedding+linear (norm materialized)"
 
 
@@ -951,24 +935,6 @@ def test_flushed_subnormals_are_refused_before_anything_runs():
     assert torch.equal(step(x, v).clipped.grads["bias"], before)  # works again once restored
 
 
-class _TiedHead(nn.Module):
-    """Embedding and LM head sharing one matrix, the head's input scaled by ``scale``."""
-
-    def __init__(self, vocab: int, d: int, scale: float) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.norm = nn.LayerNorm(d)
-        self.scale = scale
-
-    def forward(self, ids):
-        return F.linear(self.norm(self.tok(ids)) * self.scale, self.tok.weight)
-
-
-def _next_token_loss(m, ids):
-    logits = m(ids)[:, :-1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
 @pytest.mark.parametrize("scale", [1.0, 1e-20], ids=["unit", "tiny-head-input"])
 @pytest.mark.parametrize("pattern", ["random", "one-id-repeated", "identical-examples"])
 def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern, scale):
@@ -987,8 +953,8 @@ def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern
     }[pattern]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
-        model = _TiedHead(vocab, d, scale)
-    step = compile_dp(_next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
+        model = TiedHead(vocab, d, scale)
+    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
                       rewrites=[GhostClipping(force={"tok.weight": "mixed"}, materialize_budget=None)])
     norms = step(ids).clipped.per_example_norms.double()
     assert "norm materialized" in step.coverage["tok.weight"], step.coverage
@@ -996,7 +962,7 @@ def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern
     m64 = copy.deepcopy(model).double()
     for i in range(p):
         m64.zero_grad()
-        _next_token_loss(m64, ids[i : i + 1]).backward()
+        next_token_loss(m64, ids[i : i + 1]).backward()
         exact.append(torch.sqrt(sum(q.grad.square().sum() for q in m64.parameters())))
     exact = torch.stack(exact)
     assert torch.all(norms >= exact), (norms / exact).tolist()
