@@ -6,8 +6,9 @@ Every model is built from a small ``transformers`` config (no download) and gets
 microbatch oracle (each example alone at batch size one, plain autograd, clip, sum). In training
 mode (dropout and LayerDrop on) the step must run and be reproducible from its key, and LayerDrop
 must drop the same layers for every example of a logical batch (Wav2Vec2's and BART's forms);
-SpecAugment's masks are drawn in the graph per example with transformers' distribution. Attention is the eager one
-(``attn_implementation="eager"``): batching SDPA is another item of the same issue.
+SpecAugment's masks are drawn in the graph per example with transformers' distribution. The
+encoders use eager attention (``attn_implementation="eager"``); the causal LMs (GPT-2, Llama)
+use transformers' default, SDPA, left-padded.
 """
 
 from __future__ import annotations
@@ -133,6 +134,39 @@ def _wav2vec2_case():  # noqa: ANN202
     return _wav2vec2().eval(), _audio_loss, _audio_batch()
 
 
+def _left_padded_causal_lm_case(family: str):  # noqa: ANN202
+    """A causal LM under transformers' default attention (SDPA), left-padded: the padded query
+    rows have no key to attend to (fully masked rows), and the mask matters (with right padding
+    and -100 labels, the causal mask alone already hides the padding from every target)."""
+
+    def case():  # noqa: ANN202
+        if family == "gpt2":
+            cfg = transformers.GPT2Config(
+                vocab_size=40, n_embd=8, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+            )
+            make = lambda: transformers.GPT2LMHeadModel(cfg)  # noqa: E731
+        else:  # Llama: RMSNorm, rotary positions, grouped-query attention
+            cfg = transformers.LlamaConfig(
+                vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=16, attn_implementation="sdpa",
+            )
+            make = lambda: transformers.LlamaForCausalLM(cfg)  # noqa: E731
+        model = _build(make).eval()
+        assert model.config._attn_implementation == "sdpa"
+        ids = _ids(B, T, 40, 6)
+        lengths = [7, 3, 5, 2, 6]  # every row has a next-token target
+        mask = _padding_mask(B, T, lengths).flip(1)
+        labels = ids.masked_fill(mask == 0, -100)
+
+        def loss(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+        return model, loss, (ids, mask, labels)
+
+    return case
+
+
 CASES = {
     "bert": _classifier_case(_bert),
     "distilbert": _classifier_case(_distilbert),
@@ -140,6 +174,8 @@ CASES = {
     "t5": _t5_case,
     "lora_bert": _classifier_case(_lora_bert),
     "wav2vec2": _wav2vec2_case,
+    "gpt2_sdpa_left_padded": _left_padded_causal_lm_case("gpt2"),
+    "llama_sdpa_left_padded": _left_padded_causal_lm_case("llama"),
 }
 
 

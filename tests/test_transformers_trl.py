@@ -62,6 +62,34 @@ def test_sft_prompt_completion_masks_prompt_and_trains(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+def test_sft_loads_a_model_id_with_default_attention_and_trains_on_padded_rows(tmp_path):
+    """A model given by id (a local directory here) keeps transformers' default attention, SDPA,
+    and trains on rows of different lengths (padded batches) to the same first step as the eager
+    form of the same weights."""
+    path = tmp_path / "model"
+    tiny_gpt2(seed=3).save_pretrained(path)
+    rows = [{"text": "the cat sat on a mat"}, {"text": "yes"}, {"text": "the dog ran"}, {"text": "a log is good"}] * 5
+    trainers = {}
+    for attn, model in (("sdpa", str(path)), ("eager", tiny_gpt2(seed=3))):
+        trainers[attn] = SFTTrainer(model, config(SFTConfig, tmp_path / attn), train_dataset=rows,
+                                    processing_class=word_tokenizer())
+    assert trainers["sdpa"].model.config._attn_implementation == "sdpa"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        firsts = {}
+        for attn, trainer in trainers.items():
+            trainer.setup_privacy()
+            batch = trainer._collate_train([0, 1, 2, 3])
+            firsts[attn] = trainer.dp_step(*[batch[k] for k in trainer._dp_keys])
+        out = trainers["sdpa"].train()
+    assert out.global_step == 2 and 0 < out.epsilon < math.inf
+    a, b = firsts["sdpa"].clipped, firsts["eager"].clipped
+    assert a.num_examples == b.num_examples == 4
+    torch.testing.assert_close(a.per_example_norms, b.per_example_norms, rtol=1e-5, atol=0)
+    for k in b.grads:
+        torch.testing.assert_close(a.grads[k], b.grads[k], rtol=1e-5, atol=1e-7)
+
+
 def test_sft_refusals(tmp_path):
     with pytest.raises(ConfigurationError, match="packing"):
         config(SFTConfig, tmp_path, packing=True)

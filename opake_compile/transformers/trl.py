@@ -73,7 +73,9 @@ def _load_model(model: Any) -> torch.nn.Module:
     if isinstance(model, str):
         import transformers
 
-        return transformers.AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager")
+        # transformers' default attention (SDPA where the model has it): compile_dp batches it
+        # per example, padding masks included, and it holds no (T, T) probabilities for backward.
+        return transformers.AutoModelForCausalLM.from_pretrained(model)
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"Expected a model (nn.Module) or a model id, got {type(model).__name__}.")
     return model
@@ -111,7 +113,8 @@ class SFTTrainer(DPTrainer):
     own target tokens.
 
     Args:
-        model: an ``nn.Module`` (a causal LM with eager attention) or a model id.
+        model: an ``nn.Module`` (a causal LM, eager or SDPA attention) or a model id (loaded
+            with transformers' default attention).
         args: :class:`SFTConfig`.
         train_dataset, eval_dataset: rows as above (a list of dicts or a ``datasets.Dataset``).
         processing_class: the tokenizer (required for text rows).
