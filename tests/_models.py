@@ -83,11 +83,12 @@ class EmptyCacheAttention(nn.Module):
 
 class TiedHead(nn.Module):
     """A token embedding whose matrix is also the LM head (one parameter with an embedding
-    term and a dense term in its per-example gradient), the head's input scaled by ``scale``."""
+    term and a dense term in its per-example gradient), the head's input scaled by ``scale``;
+    ``padding_idx`` as in ``nn.Embedding`` (its row gets no embedding gradient)."""
 
-    def __init__(self, vocab: int, d: int, scale: float = 1.0) -> None:
+    def __init__(self, vocab: int, d: int, scale: float = 1.0, padding_idx: int | None = None) -> None:
         super().__init__()
-        self.tok = nn.Embedding(vocab, d)
+        self.tok = nn.Embedding(vocab, d, padding_idx=padding_idx)
         self.norm = nn.LayerNorm(d)
         self.scale = scale
 

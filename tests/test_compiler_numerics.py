@@ -966,3 +966,30 @@ def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern
         exact.append(torch.sqrt(sum(q.grad.square().sum() for q in m64.parameters())))
     exact = torch.stack(exact)
     assert torch.all(norms >= exact), (norms / exact).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("path", ["mixed", "ghost"])
+def test_a_tied_heads_padding_rows_do_not_shrink_its_clipped_contribution(path, dtype):
+    # Padding ids at every other position: their rows get no embedding gradient, but the
+    # LayerNorm of the zero padding embedding makes their would-be gradients large (~1/sqrt(eps)).
+    # Counted in the mixed path's mass S, they made the mass cap bind: examples of norm 0.48 C
+    # were released at 0.21 C (a hostile review's find). Each example alone must be released at
+    # min(its norm, C_eff), as on the ghost path.
+    vocab, d, t, p = 50, 8, 20, 6
+    ids = torch.randint(0, vocab, (p, t), generator=torch.Generator().manual_seed(0))
+    ids[:, ::2] = 0
+    ids[0] = 0  # all padding but the head's term
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = TiedHead(vocab, d, padding_idx=0).to(dtype)
+    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"tok.weight": path}, materialize_budget=None)])
+    norms = step(ids).clipped.per_example_norms.double()
+    assert ("norm materialized" in step.coverage["tok.weight"]) == (path == "mixed"), step.coverage
+    c_eff = numerics.effective_clipping_norm(1.0, dtype)
+    assert float(norms.min()) < c_eff < float(norms.max())  # some examples clipped, some not
+    for i in range(p):
+        released = step(ids[i : i + 1]).clipped.grads
+        got = math.sqrt(sum(float(g.double().square().sum()) for g in released.values()))
+        assert got == pytest.approx(min(float(norms[i]), c_eff), rel=1e-5), (i, got, float(norms[i]))

@@ -1016,10 +1016,15 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     s = None
     for f in factors:
         # Per-position norms, bounded above: ||a_k|| over R (1 for a one-hot column), ||b_k|| over C.
+        # A one-hot term's B as G adds it (_b_of: a padding id's rows zeroed, as in the sum):
+        # the padding rows' gradients enter no product, and counting them in S inflated the
+        # mass cap's S / kappa past the norm (a LayerNorm of the zero padding embedding
+        # scales them by ~1/sqrt(eps): examples of norm 0.48 C were released at 0.21 C).
         if acc == NORM_DTYPE:
             # Scaled float64 factors (entries at most 1): a square that underflows loses under
             # 2^-1074, added per term so that S stays an upper bound (as emit_sum_sq_bound does).
-            nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, _as_dtype(em, f.b, nd), _as_dtype(em, f.b, nd)), [2])
+            b_nd = _b_of(em, f, nd)
+            nb = em(aten.sum.dim_IntList, em(aten.mul.Tensor, b_nd, b_nd), [2])
             nb = em(aten.add.Tensor, nb, f.cols * FLOAT64_TINY)
             if f.onehot:
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
@@ -1028,7 +1033,7 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
                 na = em(aten.add.Tensor, na, f.rows * FLOAT64_TINY)
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         else:
-            nb = emit_sum_sq_bound(em, f.b, [2], f.cols)
+            nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32) if f.onehot else f.b, [2], f.cols)
             if f.onehot:
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             else:
