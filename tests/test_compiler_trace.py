@@ -176,6 +176,25 @@ def test_batchnorm_in_training_mode_is_refused_naming_the_module():
     check_model_supported(model)
 
 
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen"])
+def test_an_embedding_with_max_norm_is_refused_naming_the_module(kind, trainable):
+    # Its forward rescales the weight rows the batch's ids pick, in place: a write of the batch
+    # into the model outside the noised gradient, frozen or not, in eval mode too.
+    emb = getattr(nn, kind)(20, 4, max_norm=1.0)
+    emb.weight.requires_grad_(trainable)
+    model = nn.Sequential(emb, nn.Flatten(), nn.Linear(12 if kind == "Embedding" else 4, 2)).eval()
+    loss = lambda m, x: m(x).sum()  # noqa: E731
+    with pytest.raises(UnsupportedOperationError, match=rf"'0' \({kind}\) has max_norm=1.0"):
+        check_model_supported(model)
+    before = emb.weight.detach().clone()
+    with pytest.raises(UnsupportedOperationError, match="max_norm"):
+        compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")(torch.randint(0, 20, (4, 3)))
+    assert torch.equal(emb.weight.detach(), before)  # refused before any forward renormalised a row
+    emb.max_norm = None
+    check_model_supported(model)
+
+
 def test_data_dependent_control_flow_is_refused():
     case = mlp_case(seed=0)
 

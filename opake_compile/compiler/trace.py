@@ -199,12 +199,23 @@ def check_model_supported(model: nn.Module) -> None:
         UnsupportedOperationError: a BatchNorm that normalises with batch statistics: in
             training mode, or built with ``track_running_stats=False`` (which uses batch
             statistics in every mode). Batch statistics mix examples, and the running-statistics
-            update would leak every example into a buffer. The message names the module.
+            update would leak every example into a buffer. An ``nn.Embedding`` or
+            ``nn.EmbeddingBag`` with ``max_norm``: its forward rescales, in place, the weight
+            rows that the batch's ids pick (in every mode, trainable or not), a write of the
+            batch into the model outside the clipped, noised gradient. The message names the
+            module.
     """
     for name, mod in model.named_modules():
+        where = f"Module {name or '<root>'!r} ({type(mod).__name__})"
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None:
+            raise UnsupportedOperationError(
+                f"{where} has max_norm={mod.max_norm!r}: its forward renormalises, in place, the rows of "
+                "its weight that the batch's ids select, which writes the batch into the model outside the "
+                "clipped and noised gradient. Build it with max_norm=None (clipping bounds each example's "
+                "gradient instead), or renormalise the weight yourself after the optimizer step."
+            )
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             continue
-        where = f"Module {name or '<root>'!r} ({type(mod).__name__})"
         if mod.training:
             raise UnsupportedOperationError(
                 f"{where} is in training mode: batch normalisation mixes examples, so "
