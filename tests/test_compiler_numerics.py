@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from _models import MathTransformer, TiedHead, huge_partner_batch, next_token_loss
 from opake_compile import DPOptimizer, PoissonSampler, compile_dp
 from opake_compile.optim import accumulate
+from opake_compile.pytree import global_norm
 from opake_compile import random as oprandom
 from opake_compile.compiler.passes import _factors, _kernels, numerics
 from opake_compile.compiler.passes.rewrites import GhostClipping
@@ -935,6 +938,18 @@ def test_flushed_subnormals_are_refused_before_anything_runs():
     assert torch.equal(step(x, v).clipped.grads["bias"], before)  # works again once restored
 
 
+def _tied_head_step(path: str, p: int, make: Callable[[], nn.Module]) -> tuple[nn.Module, Any]:
+    """A :class:`TiedHead` built by ``make`` under seed 1, and its step at C = 1 with the tied
+    weight forced onto ``path`` of GhostClipping (``"mixed"``: the norm from the per-example
+    gradient)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = make()
+    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"tok.weight": path}, materialize_budget=None)])
+    return model, step
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-20], ids=["unit", "tiny-head-input"])
 @pytest.mark.parametrize("pattern", ["random", "one-id-repeated", "identical-examples"])
 def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern, scale):
@@ -951,11 +966,7 @@ def test_a_tied_heads_float32_mixed_norm_is_never_below_the_float64_norm(pattern
         "one-id-repeated": torch.full((p, t), 7).index_fill_(1, torch.arange(0, t, 3), 3),
         "identical-examples": torch.randint(0, vocab, (1, t), generator=g).repeat(p, 1),
     }[pattern]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        model = TiedHead(vocab, d, scale)
-    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
-                      rewrites=[GhostClipping(force={"tok.weight": "mixed"}, materialize_budget=None)])
+    model, step = _tied_head_step("mixed", p, lambda: TiedHead(vocab, d, scale))
     norms = step(ids).clipped.per_example_norms.double()
     assert "norm materialized" in step.coverage["tok.weight"], step.coverage
     exact = []
@@ -980,16 +991,11 @@ def test_a_tied_heads_padding_rows_do_not_shrink_its_clipped_contribution(path, 
     ids = torch.randint(0, vocab, (p, t), generator=torch.Generator().manual_seed(0))
     ids[:, ::2] = 0
     ids[0] = 0  # all padding but the head's term
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        model = TiedHead(vocab, d, padding_idx=0).to(dtype)
-    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager",
-                      rewrites=[GhostClipping(force={"tok.weight": path}, materialize_budget=None)])
+    _, step = _tied_head_step(path, p, lambda: TiedHead(vocab, d, padding_idx=0).to(dtype))
     norms = step(ids).clipped.per_example_norms.double()
     assert ("norm materialized" in step.coverage["tok.weight"]) == (path == "mixed"), step.coverage
     c_eff = numerics.effective_clipping_norm(1.0, dtype)
     assert float(norms.min()) < c_eff < float(norms.max())  # some examples clipped, some not
     for i in range(p):
-        released = step(ids[i : i + 1]).clipped.grads
-        got = math.sqrt(sum(float(g.double().square().sum()) for g in released.values()))
+        got = float(global_norm(step(ids[i : i + 1]).clipped.grads, compute_dtype=torch.float64))
         assert got == pytest.approx(min(float(norms[i]), c_eff), rel=1e-5), (i, got, float(norms[i]))

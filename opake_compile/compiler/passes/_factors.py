@@ -1033,7 +1033,7 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
                 na = em(aten.add.Tensor, na, f.rows * FLOAT64_TINY)
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, em(aten.mul.Tensor, na, nb)), [1])
         else:
-            nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32) if f.onehot else f.b, [2], f.cols)
+            nb = emit_sum_sq_bound(em, _b_of(em, f, torch.float32), [2], f.cols)
             if f.onehot:
                 part = em(aten.sum.dim_IntList, em(aten.sqrt.default, nb), [1])
             else:
