@@ -999,3 +999,34 @@ def test_a_tied_heads_padding_rows_do_not_shrink_its_clipped_contribution(path, 
     for i in range(p):
         got = float(global_norm(step(ids[i : i + 1]).clipped.grads, compute_dtype=torch.float64))
         assert got == pytest.approx(min(float(norms[i]), c_eff), rel=1e-5), (i, got, float(norms[i]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["mixed", "ghost"])
+def test_a_tied_heads_padded_sequences_at_real_width_are_clipped_at_their_own_norm(path):
+    # The test above at a width users train at: V = 8192, d = 768, T = 512, right-, left- and
+    # scattered padding (padding_idx 0 at 41-61 % of the positions). Each example's norm is
+    # a bound at or above its float64 norm, within 1e-4 (the float32 rounding slack grows with
+    # T and d); each example alone is released at its exact norm times its clip factor
+    # min(1, C_eff / norm) (the bound's slack shows here: 2-4e-5 below C_eff). With the old
+    # mass (padding rows counted) the scattered-padding example's norm came out 0.1 % above
+    # its float64 norm on the mixed path (checked).
+    vocab, d, t, p = 8192, 768, 512, 3
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab, (p, t), generator=g)
+    ids[0, 300:] = 0
+    ids[1] = torch.where(torch.rand(t, generator=g) < 0.5, 0, ids[1])
+    ids[2, :200] = 0
+    model, step = _tied_head_step(path, p, lambda: TiedHead(vocab, d, padding_idx=0))
+    norms = step(ids).clipped.per_example_norms.double()
+    assert ("norm materialized" in step.coverage["tok.weight"]) == (path == "mixed"), step.coverage
+    m64 = copy.deepcopy(model).double()
+    c_eff = numerics.effective_clipping_norm(1.0, torch.float32)
+    for i in range(p):
+        m64.zero_grad()
+        next_token_loss(m64, ids[i : i + 1]).backward()
+        exact = float(global_norm({k: q.grad for k, q in m64.named_parameters()}, compute_dtype=torch.float64))
+        assert exact <= float(norms[i]) <= exact * (1 + 1e-4), (i, float(norms[i]) / exact)
+        got = float(global_norm(step(ids[i : i + 1]).clipped.grads, compute_dtype=torch.float64))
+        assert got == pytest.approx(exact * min(1.0, c_eff / float(norms[i])), rel=1e-5), (i, got, float(norms[i]))
+        assert got <= c_eff
