@@ -94,7 +94,7 @@ from opake_compile import pytree as _pytree
 from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.dpsgd._types import SOURCES, ClippedPytree, check_not_released, sum_tensors
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 from opake_compile.optim import accumulate
 from opake_compile.sampling import PoissonSampler
@@ -379,6 +379,9 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
             f"{clipped.num_ranks} ranks: summing it again would add every example {clipped.num_ranks} "
             "times (sensitivity above C). Call it once per step, on the local sum."
         )
+    # A sum stepped on (or noised) before may not come back as a new global sum: the reduced
+    # sum is released with its local parts (SOURCES), as accumulate's sum is with its parts.
+    check_not_released(clipped, "This clipped sum")
     if not is_distributed():
         return clipped
     device = _collective_device()
@@ -404,13 +407,15 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
             f"examples (more than {_num.MAX_FLOAT32_SUM_ROWS}) rounds on a grid coarser than the sensitivity "
             "slack: use sum_gradients (it adds the ranks' sums in float64)."
         )
-    return dataclasses.replace(
+    out = dataclasses.replace(
         clipped,
         grads=reduce(grads),
         num_examples=int(counts[0]),
         num_nonfinite=int(counts[1]),
         num_ranks=get_world_size(),
     )
+    SOURCES[out] = tuple(sum_tensors(clipped))  # released with the global sum
+    return out
 
 
 def sum_gradients_(clipped: ClippedPytree | Sequence[ClippedPytree], *, bucket_bytes: int = _BUCKET_BYTES) -> ClippedPytree:
@@ -465,7 +470,8 @@ def sum_gradients(clipped: ClippedPytree | Sequence[ClippedPytree]) -> ClippedPy
 
     Raises:
         InputTypeError: not a ``ClippedPytree``; ``grads`` not a pytree of tensors.
-        ConfigurationError: a normalised input (``normalize_by`` set); ranks disagree on C.
+        ConfigurationError: a normalised input (``normalize_by`` set); ranks disagree on C; a
+            sum released before (stepped on or noised): the global sum is released with it.
 
     Example::
 

@@ -44,7 +44,12 @@ from opake_compile import random as _random
 from opake_compile._validate import NotPrivateWarning, check_noise_multiplier, check_optimizer_state
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
+from opake_compile.dpsgd._types import SOURCES as _SOURCES
+from opake_compile.dpsgd._types import check_not_released as _check_not_released
+from opake_compile.dpsgd._types import check_releasable as _check_releasable
 from opake_compile.dpsgd._types import mark_released as _release_receipts
+from opake_compile.dpsgd._types import mark_sum_released as _mark_sum_released
+from opake_compile.dpsgd._types import sum_tensors as _sum_tensors
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
     CheckpointError,
@@ -58,12 +63,6 @@ __all__ = ["DPOptimizer", "accumulate"]
 _STATE_VERSION = 1
 
 
-#: The clipped sums some ``DPOptimizer`` step released, by the identity of their gradient
-#: tensors (``id -> weakref``): releasing one again is a second noisy view of the same sample,
-#: which no per-draw charge covers (``poisson(g | g, q)``, not two Poisson steps).
-_RELEASED: dict[int, weakref.ref] = {}
-#: The parts' gradient tensors of each sum made by :func:`accumulate`, released with it.
-_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: The optimizer charging each sampler's draws (one per sampler: two optimizers stepping on one
 #: draw release it twice, each charging it once).
 _CHARGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -77,11 +76,6 @@ def _draws_charged_from(sampler: Any) -> int:
         return 0
     opt = None if ref is None else ref()
     return 0 if opt is None else opt._draws_charged
-
-
-def _was_released(t: Any) -> bool:
-    ref = _RELEASED.get(id(t))
-    return ref is not None and ref() is t
 
 
 #: The live optimizer that each key object was given to (by identity: keys are values, and two
@@ -103,17 +97,6 @@ def _claim_key(key: Any, opt: Any) -> None:
     _KEY_OWNERS[id(key)] = (key, weakref.ref(opt))
 
 
-def _mark_released(tensors: Any) -> None:
-    for t in tensors:
-        key = id(t)
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            if _RELEASED.get(key) is ref:
-                del _RELEASED[key]
-
-        _RELEASED[key] = weakref.ref(t, forget)
-
-
 def _check_noise_scale(std: float, targets: Mapping[str, torch.Tensor], divisor: float) -> None:
     """Refuse noise whose draws would overflow (inf or NaN weights, on a step that would still be
     charged): std = sigma * C on the float32 (or float64) sum, and std / ``divisor`` (the
@@ -128,20 +111,6 @@ def _check_noise_scale(std: float, targets: Mapping[str, torch.Tensor], divisor:
                 f"overflows {name}'s dtype {p.dtype} (largest {torch.finfo(p.dtype).max:.3g}): the "
                 "update would be inf or NaN. Lower the clipping norm or the noise multiplier."
             )
-
-
-def _sum_tensors(clipped: ClippedPytree) -> list[Any]:
-    grads = clipped.grads.values() if isinstance(clipped.grads, dict) else ()
-    return [t for t in grads if isinstance(t, torch.Tensor)] + list(_SOURCES.get(clipped, ()))
-
-
-def _check_not_released(clipped: ClippedPytree, what: str) -> None:
-    if any(_was_released(t) for t in _sum_tensors(clipped)):
-        raise ConfigurationError(
-            f"{what} was already released by a DPOptimizer step: a second noisy release of the same "
-            "clipped sum is two views of one sample, not a new Poisson step. Compute a new clipped sum "
-            "on a new draw."
-        )
 
 
 def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
@@ -570,6 +539,7 @@ class DPOptimizer:
                 "DPOptimizer adds noise to the sum and divides by the expected batch size itself."
             )
         _check_not_released(clipped, "This clipped sum")
+        _check_releasable(clipped)
         charger = _CHARGERS.get(self.sampler)
         if charger is not None and charger() not in (None, self):
             raise ConfigurationError(
@@ -731,7 +701,7 @@ class DPOptimizer:
     def _released(self, clipped: ClippedPytree) -> None:
         """Record a release (at the write to ``.grad``): the sum and its parts may not be
         released again, and this optimizer charges its sampler's draws from now on."""
-        _mark_released(_sum_tensors(clipped))
+        _mark_sum_released(clipped)
         _release_receipts(clipped)  # its receipts: adaptive clipping's next norm may now be used
         try:
             _CHARGERS[self.sampler] = weakref.ref(self)

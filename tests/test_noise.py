@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import optree
 import pytest
 import torch
 from scipy import stats
@@ -20,8 +21,10 @@ N_ENTRIES = 20_000
 
 
 def _clipped(grads, c=0.7, normalize_by=None) -> ClippedPytree:
+    """A new clipped sum holding copies of ``grads`` (each sum is released once, so the tests
+    that noise the same values twice need two sums)."""
     return ClippedPytree(
-        grads=grads, clipping_norm=c, per_example_norms=torch.zeros(0), num_examples=0, normalize_by=normalize_by
+        grads=optree.tree_map(torch.clone, grads), clipping_norm=c, per_example_norms=torch.zeros(0), num_examples=0, normalize_by=normalize_by
     )
 
 

@@ -312,7 +312,7 @@ def test_refusals():
     assert opt.steps == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)
-        inf_clipped = ClippedPytree(grads=clipped.grads, clipping_norm=math.inf, per_example_norms=torch.zeros(0),
+        inf_clipped = ClippedPytree(grads={k: v.clone() for k, v in clipped.grads.items()}, clipping_norm=math.inf, per_example_norms=torch.zeros(0),
                                     num_examples=0, parameters=clipped.parameters)
     with pytest.raises(ConfigurationError, match="inf"):
         opt.step(inf_clipped)

@@ -135,6 +135,137 @@ def test_adaptive_budget_guard_counts_the_count():
         grad_fn(params, x[i], y[i], state=refused_state)
 
 
+def _adaptive_fn(n=40, q=0.25):
+    x, y = _data(n)
+    params = _params()
+    sampler = PoissonSampler(n, q, key=opake.random.key(0))
+    grad_fn, state = adaptive_clipped_grad(
+        _loss, 0, batch_argnums=(1, 2), initial_clipping_norm=1.0, key=opake.random.key(1),
+        expected_batch_size=q * n, count_noise_multiplier=1.0,
+    )
+    return grad_fn, state, params, sampler, (x, y)
+
+
+def _rows(data, idx):
+    i = torch.as_tensor(idx, dtype=torch.long)
+    return data[0][i], data[1][i]
+
+
+def test_adaptive_results_from_one_state_are_released_once():
+    """Two calls with one state (a retry) draw the same count noise: once one result is
+    released, the other and its state are refused, and so is a third call with that state
+    (a hostile review recovered the exact count difference from two such states, one of them
+    from a never-released result, which the next call then accepted)."""
+    grad_fn, s0, params, sampler, data = _adaptive_fn()
+    opt = _optimizer(params, sampler)
+    it = iter(sampler)
+    d0, d1 = next(it), next(it)
+    r1, s1 = grad_fn(params, *_rows(data, d1), state=s0)  # not the draw being stepped on
+    r2, s2 = grad_fn(params, *_rows(data, d0), state=s0)
+    assert s1.key == s2.key and s1.clipping_norm != s2.clipping_norm
+    opt.step(r2, draw=d0)
+    assert opt.steps == 1
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        grad_fn(params, *_rows(data, d1), state=s1)
+    with pytest.raises(ConfigurationError, match="already used"):
+        grad_fn(params, *_rows(data, d1), state=s0)
+    before = {k: v.detach().clone() for k, v in params.items()}
+    with pytest.raises(ConfigurationError, match="same AdaptiveClipState was released"):
+        opt.step(r1, draw=d1)
+    assert opt.steps == 1 and all(torch.equal(before[k], params[k]) for k in params)
+    r3, _ = grad_fn(params, *_rows(data, d1), state=s2)  # the released result's state: usable
+    opt.step(r3, draw=d1)
+    assert opt.steps == 2
+    # The eager path's release (gaussian_noise) supersedes the same way.
+    g2, t0, *_ = _adaptive_fn()
+    a, _ = g2(params, *_rows(data, d0), state=t0)
+    b, _ = g2(params, *_rows(data, d1), state=t0)
+    noise_fn, ns = opake.dpsgd.gaussian_noise(1.0, opake.random.key(3))
+    noise_fn(b, ns)
+    with pytest.raises(ConfigurationError, match="same AdaptiveClipState was released"):
+        noise_fn(a, ns)
+
+
+def test_adaptive_result_without_its_count_is_refused_and_charges_nothing():
+    """A result rebuilt around copies of its sums could drop the count's release and keep the
+    receipt: the step charged the gradient alone and unlocked the next clipping norm (review)."""
+    grad_fn, s0, params, sampler, data = _adaptive_fn()
+    opt = _optimizer(params, sampler)
+    d0 = next(iter(sampler))
+    r, s1 = grad_fn(params, *_rows(data, d0), state=s0)
+    stripped = dataclasses.replace(r, grads={k: v.clone() for k, v in r.grads.items()}, releases=())
+    assert stripped.receipts == r.receipts and stripped.releases == ()
+    with pytest.raises(ConfigurationError, match="not the count's release"):
+        opt.step(stripped, draw=d0)
+    assert opt.steps == 0
+    with pytest.raises(ConfigurationError, match="has not been released"):
+        grad_fn(params, *_rows(data, d0), state=s1)
+    opt.step(r, draw=d0)  # the result itself: charged with its count
+    assert opt.steps == 1 and "gaussian(1.0) | gaussian(1.0)" in repr(opt.process)
+    copy_after = dataclasses.replace(r, grads={k: v.clone() for k, v in r.grads.items()})
+    with pytest.raises(ConfigurationError, match="already released with another result"):
+        opt.step(copy_after, draw=next(iter(sampler)))
+
+
+def test_a_sum_is_released_once_by_gaussian_noise_or_the_optimizer():
+    """gaussian_noise (uncharged, the eager path) and DPOptimizer.step each release a sum; the
+    same sum through both (or either twice) is two noisy views of one sample under at most one
+    charge: refused, whichever comes second (review: both were accepted)."""
+    x, y = _data(40)
+    params = _params()
+    sampler = PoissonSampler(40, 0.25, key=opake.random.key(0))
+    opt = _optimizer(params, sampler)
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    noise_fn, ns = opake.dpsgd.gaussian_noise(1.0, opake.random.key(3))
+    it = iter(sampler)
+    d0 = next(it)
+    r0, _ = grad_fn(params, *_rows((x, y), d0), state=st)
+    _, ns = noise_fn(r0, ns)
+    with pytest.raises(ConfigurationError, match="already released"):
+        opt.step(r0, draw=d0)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise_fn(r0, ns)
+    assert opt.steps == 0
+    r1, _ = grad_fn(params, *_rows((x, y), d0), state=st)
+    opt.step(r1, draw=d0)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise_fn(r1, ns)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise_fn(accumulate([r1]), ns)
+
+
+def test_sum_gradients_releases_the_local_sum_with_the_global_one(tmp_path):
+    """In a process group, sum_gradients returns new tensors: stepping on them used to leave the
+    local sum unreleased, so it could be reduced and stepped on again on a later draw, charged
+    as a fresh step (review; gloo with one rank, in this process)."""
+    import torch.distributed as dist
+
+    from opake_compile.distributed import sum_gradients, sum_gradients_
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        x, y = _data(40)
+        params = _params()
+        sampler = opake.distributed.DistributedPoissonSampler(40, 0.5, key=opake.random.key(0))
+        opt = _optimizer(params, sampler)
+        grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+        it = iter(sampler)
+        d0, d1 = next(it), next(it)
+        r0, _ = grad_fn(params, *_rows((x, y), d0), state=st)
+        opt.step(sum_gradients(r0), draw=d0)
+        with pytest.raises(ConfigurationError, match="already released"):
+            sum_gradients(r0)
+        with pytest.raises(ConfigurationError, match="already released"):
+            opt.step(r0, draw=d1)
+        r1, _ = grad_fn(params, *_rows((x, y), d1), state=st)
+        opt.step(sum_gradients_(r1), draw=d1)
+        with pytest.raises(ConfigurationError, match="already released"):
+            sum_gradients(r1)
+        assert opt.steps == 2
+    finally:
+        dist.destroy_process_group()
+
+
 def test_release_that_cannot_be_accounted_is_refused():
     n = 50
     x, y = _data(n)

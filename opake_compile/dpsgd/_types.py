@@ -8,6 +8,7 @@ noised result cannot be fed back into pytree maths (re-clipped, re-normed) by ac
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,32 +32,135 @@ class ReleaseReceipt:
     refuses it (:func:`~opake_compile.dpsgd.clipping.adaptive_clipped_grad`), since the
     training run would otherwise depend on a release no accountant saw (a step that was refused
     or never taken).
+
+    Results computed from one state (a retry after a refused step) draw the same count noise:
+    once one of them is released, the others are *superseded* (their release is refused, and
+    so are their states): two of them released would give the difference of two counts
+    without noise. ``release`` is the count's privacy process, which the result must still
+    carry when it is released.
     """
 
-    __slots__ = ("released", "_key", "_pending")
+    __slots__ = ("released", "superseded", "release", "_state", "_parent", "_book")
 
-    def __init__(self, key: Any, pending: dict[Any, ReleaseReceipt]) -> None:
+    def __init__(self, book: ReceiptBook, parent: Any, state: tuple[Any, float], release: Any) -> None:
         self.released = False
-        self._key, self._pending = key, pending
-        pending[key] = self
+        self.superseded = False
+        self.release = release
+        self._state, self._parent, self._book = state, parent, book
+        book.pending[state] = self
+        book.children.setdefault(parent, []).append(self)
 
     def __repr__(self) -> str:
-        return f"ReleaseReceipt(released={self.released})"
+        return f"ReleaseReceipt(released={self.released}, superseded={self.superseded})"
 
 
-def pending_receipt(pending: dict[Any, ReleaseReceipt], key: Any) -> ReleaseReceipt | None:
-    """The unreleased receipt that a state with ``key`` waits for in ``pending`` (one map per
-    adaptive clipping function: runs seeded alike do not wait on each other), or None."""
-    r = pending.get(key)
-    return None if r is None or r.released else r
+class ReceiptBook:
+    """The receipts of one adaptive clipping function (one book per function: runs seeded
+    alike do not wait on each other).
+
+    ``pending``: ``(key, clipping_norm)`` of a state returned with a result not released yet
+    -> its receipt. ``children``: a state's key -> the receipts of the results computed from
+    it (until one is released). ``used``: the keys of states one of whose results was
+    released (a further call with such a state would draw the same count noise again)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[tuple[Any, float], ReleaseReceipt] = {}
+        self.children: dict[Any, list[ReleaseReceipt]] = {}
+        self.used: set[Any] = set()
+
+    def refusal(self, key: Any, clipping_norm: float) -> str | None:
+        """Why a state ``(key, clipping_norm)`` may not be used now, or None."""
+        if (key, clipping_norm) in self.pending:
+            return "pending"
+        if key in self.used:
+            return "used"
+        return None
+
+
+def pending_receipt(book: ReceiptBook, key: Any, clipping_norm: float) -> ReleaseReceipt | None:
+    """The unreleased receipt that the state ``(key, clipping_norm)`` waits for, or None."""
+    return book.pending.get((key, clipping_norm))
+
+
+def check_releasable(clipped: "ClippedPytree") -> None:
+    """Refuse to release ``clipped`` if one of its receipts was released already (a copy of a
+    released result), was superseded (a result computed from the same state as one released:
+    the same count noise), or lost the release it stands for (``clipped.releases`` must still
+    hold the count's process: a result rebuilt around copies of the sums could drop it)."""
+    for r in clipped.receipts:
+        problem = None
+        if r.released:
+            problem = "its adaptive clipping count was already released with another result"
+        elif r.superseded:
+            problem = (
+                "another result computed from the same AdaptiveClipState was released: both counts "
+                "carry the same noise draw, so releasing both would reveal their difference without noise"
+            )
+        elif not any(x is r.release for x in clipped.releases):
+            problem = (
+                f"it carries adaptive clipping's receipt but not the count's release {r.release!r} "
+                "(dropped from releases): the count would go uncharged"
+            )
+        if problem is not None:
+            raise ConfigurationError(
+                f"This ClippedPytree cannot be released: {problem}. Nothing was charged or changed."
+            )
 
 
 def mark_released(clipped: "ClippedPytree") -> None:
-    """Record that ``clipped`` (and what its receipts stand for) has been released."""
+    """Record that ``clipped`` (and what its receipts stand for) has been released: its states
+    may be used; results from the same states that were not released with it are superseded."""
+    mine = {id(r) for r in clipped.receipts}
     for r in clipped.receipts:
         r.released = True
-        if r._pending.get(r._key) is r:  # (an unreleased entry stays: its state is refused)
-            del r._pending[r._key]
+        book = r._book
+        book.pending.pop(r._state, None)  # (an equal state of a sibling says the same)
+        book.used.add(r._parent)
+        for sibling in book.children.pop(r._parent, ()):
+            if id(sibling) not in mine:
+                sibling.superseded = True
+
+
+# ------------------------------------------------------------ released sums (by tensor identity)
+#: The clipped sums released (by a ``DPOptimizer`` step or ``gaussian_noise``), by the identity
+#: of their gradient tensors (``id -> weakref``): releasing one again is a second noisy view of
+#: the same sample, which no per-draw charge covers (``poisson(g | g, q)``, not two Poisson steps).
+_RELEASED: dict[int, weakref.ref] = {}
+#: The gradient tensors of the sums a sum was made from (``accumulate``'s parts, the local sum
+#: of ``sum_gradients``), released with it.
+SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _was_released(t: Any) -> bool:
+    ref = _RELEASED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def sum_tensors(clipped: "ClippedPytree") -> list[Any]:
+    """The gradient tensors of ``clipped`` and of the sums it was made from."""
+    return _tensors(clipped.grads) + list(SOURCES.get(clipped, ()))
+
+
+def check_not_released(clipped: "ClippedPytree", what: str) -> None:
+    """Refuse ``clipped`` if it, or a sum it was made from, was released before."""
+    if any(_was_released(t) for t in sum_tensors(clipped)):
+        raise ConfigurationError(
+            f"{what} was already released (by a DPOptimizer step or gaussian_noise): a second noisy "
+            "release of the same clipped sum is two views of one sample, not a new Poisson step. "
+            "Compute a new clipped sum on a new draw."
+        )
+
+
+def mark_sum_released(clipped: "ClippedPytree") -> None:
+    """Record that ``clipped``'s sums (and the sums it was made from) were released."""
+    for t in sum_tensors(clipped):
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            if _RELEASED.get(key) is ref:
+                del _RELEASED[key]
+
+        _RELEASED[key] = weakref.ref(t, forget)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

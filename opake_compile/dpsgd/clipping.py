@@ -35,7 +35,7 @@ from opake_compile import pytree as _pt
 from opake_compile._markers import reject_dp_output
 from opake_compile._validate import NotPrivateWarning, check_batch_size, check_clipping_norm
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import ClippedPytree, ReleaseReceipt, lock_releases, pending_receipt
+from opake_compile.dpsgd._types import ClippedPytree, ReceiptBook, ReleaseReceipt, lock_releases
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = [
@@ -464,8 +464,15 @@ def adaptive_clipped_grad(
     Returns:
         ``(grad_fn, state)``; the returned state carries the updated C and advanced key.
 
+    A retry (a second call with the state a call was given, after its step was refused) draws
+    the same count noise as that call: once one of the two results is released, the other is
+    refused by ``DPOptimizer.step`` and ``gaussian_noise``, its state is refused here, and so is
+    a further call with the state both were computed from. (States are plain values: one built
+    by hand, or handed to another adaptive clipping function, is not checked.)
+
     Raises:
-        ConfigurationError: (from ``grad_fn``) a state whose result has not been released.
+        ConfigurationError: (from ``grad_fn``) a state whose result has not been released; a
+            state already used for a call whose result was released.
     """
     from opake_compile import random as _random
 
@@ -489,12 +496,20 @@ def adaptive_clipped_grad(
         warnings.simplefilter("ignore", NotPrivateWarning)  # sigma_b = 0 was reported above
         count_release = _acc.gaussian(count_noise_multiplier)
 
-    pending: dict[Any, ReleaseReceipt] = {}  # next state's key -> the receipt it waits for
+    book = ReceiptBook()  # this function's states and the results they wait for
 
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
         state = _checked_state(state)
         cn = state.clipping_norm
-        if pending_receipt(pending, state.key) is not None:
+        refusal = book.refusal(state.key, cn)
+        if refusal == "used":
+            raise ConfigurationError(
+                "This AdaptiveClipState was already used for a call whose result has been released: "
+                "a further call with it draws the same count noise on another sample, and two such "
+                "counts released would reveal their difference without noise. Continue from the state "
+                "that call returned."
+            )
+        if refusal == "pending":
             raise ConfigurationError(
                 f"This AdaptiveClipState's clipping_norm={cn!r} was computed from the noisy count of "
                 "a call whose result has not been released (passed to DPOptimizer.step or "
@@ -516,7 +531,7 @@ def adaptive_clipped_grad(
         # DPOptimizer charges it with the gradient query (accounting.adaclip).
         # The next C is a release too, made into the state: it may be used only once the result
         # has been released (and so charged), see ReleaseReceipt.
-        receipt = ReleaseReceipt(next_key, pending)
+        receipt = ReleaseReceipt(book, state.key, (next_key, new_c), count_release)
         result = dataclasses.replace(
             result, releases=result.releases + (count_release,), receipts=result.receipts + (receipt,)
         )

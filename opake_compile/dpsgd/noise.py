@@ -20,7 +20,14 @@ import torch
 
 from opake_compile import random as _random
 from opake_compile._validate import check_noise_multiplier
-from opake_compile.dpsgd._types import ClippedPytree, NoisedPytree, mark_released
+from opake_compile.dpsgd._types import (
+    ClippedPytree,
+    NoisedPytree,
+    check_not_released,
+    check_releasable,
+    mark_released,
+    mark_sum_released,
+)
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = ["NoiseState", "NoisedPytree", "gaussian_noise", "add_gaussian_noise"]
@@ -86,7 +93,11 @@ def gaussian_noise(
     Raises:
         InputTypeError: the input is not a ``ClippedPytree`` (raw tensors have no recorded C;
             a ``NoisedPytree`` must not be noised twice).
-        ConfigurationError: C = inf with sigma > 0 (no finite noise calibrates to it).
+        ConfigurationError: C = inf with sigma > 0 (no finite noise calibrates to it); the sum
+            (or a part of it) was released before, here or by ``DPOptimizer.step`` (each sum is
+            released once: two noisy views of one sample are not what one charge covers); an
+            adaptive clipping result that cannot be released (see
+            :class:`~opake_compile.dpsgd._types.ReleaseReceipt`).
 
     Example::
 
@@ -103,6 +114,10 @@ def gaussian_noise(
         c = clipped.clipping_norm
         if math.isinf(c) and sigma > 0:
             raise ConfigurationError("Cannot add noise calibrated to clipping_norm=inf; clip with a finite C.")
+        # One release per sum, whichever function makes it: a sum noised here and stepped on by
+        # DPOptimizer (or noised twice) would be two noisy views of one sample under one charge.
+        check_not_released(clipped, "This clipped sum")
+        check_releasable(clipped)
         std = sigma * c if sigma > 0 else 0.0
         next_key, draw_key = _random.split(state.key, 2)
         if clipped.normalize_by is None:
@@ -115,6 +130,7 @@ def gaussian_noise(
                 clipped.grads,
                 add_gaussian_noise(optree.tree_map(torch.zeros_like, clipped.grads), std, draw_key),
             )
+        mark_sum_released(clipped)
         mark_released(clipped)  # (adaptive clipping's next norm may be used from now on)
         return (
             NoisedPytree(grads=grads, clipping_norm=c, noise_multiplier=sigma, noise_std=std, normalize_by=clipped.normalize_by),
