@@ -207,6 +207,18 @@ def _check_no_closure(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
+def _check_dense_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse ``SparseAdam``: it takes sparse gradients only, and a noised gradient is dense
+    (noise on every entry; a sparse one would say which rows the batch touched). Known at
+    construction; otherwise every step would be charged, write ``.grad`` and then fail."""
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ConfigurationError(
+            "SparseAdam takes sparse gradients only, and a DP gradient is dense: Gaussian noise is "
+            "added to every entry (a sparse gradient would reveal which rows the batch touched). "
+            "Use Adam or AdamW."
+        )
+
+
 class DPOptimizer:
     """Wraps a ``torch.optim`` optimizer into a DP-SGD / DP-Adam / DP-anything step.
 
@@ -245,7 +257,8 @@ class DPOptimizer:
             is not a mechanism's pair.
         ConfigurationError: sigma < 0 or non-finite; a sampler that is not Poisson (without a
             mechanism that declares it); q * N = 0; a noise mechanism that cannot be accounted
-            with this sampler; a budget whose delta is at least 1/N.
+            with this sampler; a budget whose delta is at least 1/N; an optimizer whose step
+            needs a closure (``LBFGS``) or sparse gradients (``SparseAdam``).
 
     Example::
 
@@ -271,6 +284,7 @@ class DPOptimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InputTypeError(f"Expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         _check_no_closure(optimizer)
+        _check_dense_gradients(optimizer)
         self.optimizer = optimizer
         self._noise_fn = self._noise_state = self._plan = None
         self._mf_allowed: int | None = None

@@ -475,6 +475,14 @@ def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
     assert _dp(torch.optim.Adam([param])).steps == 0
 
 
+def test_sparse_adam_is_refused_at_construction():
+    """SparseAdam takes sparse gradients only and a noised gradient is dense: every step used to
+    be charged, write .grad and then fail with torch's RuntimeError (a charging review)."""
+    param = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ConfigurationError, match="SparseAdam takes sparse gradients only"):
+        _dp(torch.optim.SparseAdam([param]))
+
+
 @pytest.mark.parametrize("c", [float("nan"), -1.0, 0.0, "1"])
 def test_a_clipped_sum_with_a_clipping_norm_that_is_not_positive_is_refused(c):
     """The noise is sigma times ``clipped.clipping_norm``: a NaN, zero, negative or non-numeric
