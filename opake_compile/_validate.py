@@ -153,7 +153,7 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
         reject_dp_output(args[i], where=f"argument {i}")
         leaves = [leaf for leaf in optree.tree_leaves(args[i], none_is_leaf=True) if isinstance(leaf, torch.Tensor)]
         if not leaves:
-            raise InputTypeError(f"Batched argument {i} holds no tensor (leave it out of batch_argnums).")
+            raise InputTypeError(_no_tensor_message(i, args[i]))
         for leaf in leaves:
             reject_dp_output(leaf, where=f"argument {i}")
             if leaf.dim() == 0:
@@ -168,6 +168,27 @@ def check_batch_size(args: tuple, batch_argnums: tuple[int, ...]) -> int:
     for i in batch_argnums:
         _reject_per_example_constants(args[i], size, f"argument {i}")
     return size
+
+
+def _no_tensor_message(i: int, value: Any) -> str:
+    """What a batched argument without a tensor most likely is, and what to do about it."""
+    import torch.nn as nn
+
+    if isinstance(value, nn.Module):
+        return (
+            f"Argument {i} is a {type(value).__name__} module: a compiled step is bound to its model "
+            "(compile_dp(model=...)) and takes the loss's other arguments only: call step(x, y), "
+            "not step(model, x, y)."
+        )
+    if hasattr(value, "__array__") and getattr(value, "shape", None) is not None:
+        return (
+            f"Batched argument {i} is a {type(value).__name__}, not a tensor: only tensors are split "
+            "into examples. Convert it with torch.as_tensor (or torch.from_numpy)."
+        )
+    return (
+        f"Batched argument {i} holds no tensor ({type(value).__name__}): only tensors are split into "
+        "examples. Pass the batch as tensors, or leave a constant argument out of batch_argnums."
+    )
 
 
 def _reject_per_example_constants(value: Any, size: int, where: str) -> None:

@@ -228,7 +228,8 @@ def test_item_is_refused():
 )
 def test_non_scalar_loss_is_refused(bad_loss):
     case = mlp_case(seed=0)
-    with pytest.raises(UnsupportedOperationError, match="scalar"):
+    # The message says the shape is one example's (traced a batch of one), not the user's B.
+    with pytest.raises(UnsupportedOperationError, match=r"scalar.*when traced on one example \(a batch of one\)"):
         _trace(_with_loss(case, bad_loss), case.make_batch(2, 0), 2)
 
 
@@ -504,7 +505,7 @@ def test_a_shape_or_dtype_error_points_at_the_arguments(capfd):
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=m, clipping_norm=1.0, backend="aot_eager")
-    for args in ((y, x), (x, y.float())):
+    for args in ((y, x), (x, y.float()), (x, y[:, None])):  # ((B, 1) labels: "target tensor")
         with pytest.raises(UnsupportedOperationError, match="A shape or dtype mismatch: check the order"):
             step(*args)
     assert "failed while attempting to run meta" not in capfd.readouterr().err

@@ -127,6 +127,20 @@ def test_per_example_values_that_are_not_tensors_are_refused_in_a_batched_argume
     assert V.check_batch_size(({"x": x}, np.ones(16)), (0,)) == 16  # outside batch_argnums: a constant
 
 
+def test_a_batched_argument_without_a_tensor_says_what_it_is():
+    """A newcomer's two likely slips get their own advice: passing the bound model to the step
+    (it used to say "leave it out of batch_argnums") and a NumPy batch (convert it)."""
+    import torch.nn as nn
+
+    x = torch.zeros(4, 2)
+    with pytest.raises(E.InputTypeError, match=r"Linear module.*not step\(model, x, y\)"):
+        V.check_batch_size((nn.Linear(2, 1), x), (0, 1))
+    with pytest.raises(E.InputTypeError, match="ndarray, not a tensor.*torch.as_tensor"):
+        V.check_batch_size((np.zeros((4, 2)), x), (0, 1))
+    with pytest.raises(E.InputTypeError, match=r"holds no tensor \(str\)"):
+        V.check_batch_size(("text", x), (0, 1))
+
+
 def test_the_compiled_step_refuses_a_per_example_list_before_anything_runs():
     import torch.nn.functional as F
 

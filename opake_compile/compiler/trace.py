@@ -435,14 +435,14 @@ def _own_batching_rules_only() -> Iterator[None]:
 
 
 #: Phrases of torch's shape and dtype errors (an argument passed in the wrong order or dtype).
-_ARGUMENT_ERRORS = ("shape", "size", "dtype", "scalar type", "same reduction dim", "must match", "dimension")
+_ARGUMENT_ERRORS = ("shape", "size", "dtype", "scalar type", "same reduction dim", "must match", "dimension", "target tensor")
 
 
 def _looks_like_an_argument_error(err: BaseException) -> bool:
     """Whether a tracing failure reads like a shape or dtype mismatch (not a data-dependent
     branch or a missing vmap rule); only the message's wording is used, nothing is re-run."""
     text = str(err).lower()
-    return isinstance(err, (RuntimeError, ValueError, IndexError)) and any(p in text for p in _ARGUMENT_ERRORS) and (
+    return isinstance(err, (RuntimeError, ValueError, IndexError, AssertionError)) and any(p in text for p in _ARGUMENT_ERRORS) and (
         "vmap" not in text and "functorch" not in text and "data-dependent" not in text
     )
 
@@ -520,9 +520,15 @@ def trace_per_example_grads(
             state["model." + key.split(":", 1)[1]] = v
         loss = torch.func.functional_call(wrapper, state, rebuild_args(leaves_b1))
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            if isinstance(loss, torch.Tensor):
+                # Traced one example at a time (a batch of one): a per-example loss of shape
+                # (B, ...) shows here as (1, ...); say so rather than print a shape the user never made.
+                got = f"a tensor of shape {tuple(loss.shape)} when traced on one example (a batch of one)"
+            else:
+                got = type(loss).__name__
             raise UnsupportedOperationError(
-                f"loss_fn must return a scalar tensor for a batch (mean or sum reduction); got {got}."
+                f"loss_fn must return a scalar tensor for a batch (mean or sum reduction, not "
+                f"reduction='none'); got {got}."
             )
         return loss
 
