@@ -441,6 +441,14 @@ class PoissonSampler(Sampler[list[int]]):
                 "under new numbers, charged as new draws. Restore an earlier state into fresh "
                 "objects (a new sampler and optimizer), both from the same checkpoint."
             )
+        if charged and _runs_below(history, charged) != _runs_below(self._history, charged):
+            raise CheckpointError(
+                f"This state's record of which positions were handed out as this sampler's first "
+                f"{charged} draw(s) differs from the sampler's, and a live DPOptimizer has charged "
+                "them (a state of another sampler with the same key, or an edited one): loading it "
+                "would forget positions already released and hand them out again as new draws. "
+                "Restore into fresh objects (a new sampler and optimizer), both from the same checkpoint."
+            )
         if position == self._steps:
             epoch, position = epoch + 1, 0
         self._epoch = epoch
@@ -456,6 +464,22 @@ class PoissonSampler(Sampler[list[int]]):
             f"truncated_batch_size={self._truncated_batch_size}, steps={self._steps}, "
             f"key={self._key!r})"
         )
+
+
+def _runs_below(history: list, upto: int) -> list[list[int]]:
+    """The runs ``[epoch, step, seq, count]`` of ``history`` cut to the draws numbered below
+    ``upto``, in draw order, adjacent runs merged (one canonical form per record)."""
+    out: list[list[int]] = []
+    for epoch, step, seq, count in sorted(history, key=lambda run: run[2]):
+        count = min(count, upto - seq)
+        if count <= 0:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last[0] == epoch and last[1] + last[3] == step and last[2] + last[3] == seq:
+            last[3] += count
+        else:
+            out.append([epoch, step, seq, count])
+    return out
 
 
 class _DrawItems(list):

@@ -674,6 +674,30 @@ def test_a_sampler_behind_the_optimizer_is_refused():
     assert opt2.steps == charged and all(torch.equal(before[k], params2[k]) for k in params2)
 
 
+def test_a_state_of_another_sampler_cannot_erase_the_released_positions():
+    """A state of a sibling sampler (same N, q and key) that handed out other positions passed the
+    count check, replaced the record of positions handed out, and the released sample at
+    (epoch 0, step 0) came back as a new draw, charged as a fresh step (a charging review)."""
+    x, y = _data(40)
+    params = _params()
+    sampler = PoissonSampler(40, 0.25, key=opake.random.key(0))
+    opt = _optimizer(params, sampler)
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    d0 = sampler.batch_at(0, 0)
+    opt.step(grad_fn(params, *_rows((x, y), d0), state=st)[0], draw=d0)
+    sibling = PoissonSampler(40, 0.25, key=opake.random.key(0))
+    sibling.batch_at(0, 1)  # one draw handed out, as many as were charged: the count check passes
+    with pytest.raises(CheckpointError, match="differs from the sampler's"):
+        sampler.load_state_dict(sibling.state_dict())
+    assert sampler.batch_at(0, 0).id == d0.id  # still the released draw: refused if stepped on
+    later = PoissonSampler(40, 0.25, key=opake.random.key(0))
+    later.load_state_dict(sampler.state_dict())  # a fresh sampler: anything may be restored
+    d1 = sampler.batch_at(0, 1)
+    ahead = sampler.state_dict()
+    sampler.load_state_dict(ahead)  # its own later state: the charged draws agree
+    assert sampler.batch_at(0, 1).id == d1.id
+
+
 def test_a_draw_not_handed_out_is_refused():
     """A DrawId made by hand for a draw the sampler never handed out passed every check
     (review: 10 whole-data-set steps charged as Poisson steps at q = 0.1)."""
