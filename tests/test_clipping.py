@@ -679,13 +679,17 @@ def test_adaptive_state_is_released_by_the_optimizer_step_and_through_accumulate
     sampler = PoissonSampler(2, 1.0, key=oprandom.key(6))
     opt = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=oprandom.key(5))
     assert sorted(next(iter(sampler))) == [0, 1]  # q = 1: the draw is the whole data set
-    a, _ = grad_fn({"w": w}, x[:1], state=state)
+    a, nxt_a = grad_fn({"w": w}, x[:1], state=state)
     b, nxt = grad_fn({"w": w}, x[1:], state=state)
     with pytest.raises(ConfigurationError, match="has not been released"):
         grad_fn({"w": w}, x, state=nxt)
     opt.step(accumulate([a, b]))
     got, _ = grad_fn({"w": w}, x, state=nxt)
     assert got.clipping_norm == nxt.clipping_norm
+    # The parts' states share a key and their counts share a noise draw: one carries the run on.
+    assert nxt_a.key == nxt.key and nxt_a.clipping_norm != nxt.clipping_norm
+    with pytest.raises(ConfigurationError, match="different clipping_norm"):
+        grad_fn({"w": w}, x, state=nxt_a)
 
 
 def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():

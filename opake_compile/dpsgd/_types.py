@@ -61,19 +61,26 @@ class ReceiptBook:
     ``pending``: ``(key, clipping_norm)`` of a state returned with a result not released yet
     -> its receipt. ``children``: a state's key -> the receipts of the results computed from
     it (until one is released). ``used``: the keys of states one of whose results was
-    released (a further call with such a state would draw the same count noise again)."""
+    released (a further call with such a state would draw the same count noise again).
+    ``claimed``: a key -> the clipping norm of the first state used with it (results computed
+    from one state in parts, then accumulated, return states of one key and different norms,
+    each from a count with the same noise: only one of them may carry the run on)."""
 
     def __init__(self) -> None:
         self.pending: dict[tuple[Any, float], ReleaseReceipt] = {}
         self.children: dict[Any, list[ReleaseReceipt]] = {}
         self.used: set[Any] = set()
+        self.claimed: dict[Any, float] = {}
 
     def refusal(self, key: Any, clipping_norm: float) -> str | None:
-        """Why a state ``(key, clipping_norm)`` may not be used now, or None."""
+        """Why a state ``(key, clipping_norm)`` may not be used now, or None; when None, the
+        state's key is claimed for its clipping norm."""
         if (key, clipping_norm) in self.pending:
             return "pending"
         if key in self.used:
             return "used"
+        if self.claimed.setdefault(key, clipping_norm) != clipping_norm:
+            return "claimed"
         return None
 
 

@@ -467,12 +467,15 @@ def adaptive_clipped_grad(
     A retry (a second call with the state a call was given, after its step was refused) draws
     the same count noise as that call: once one of the two results is released, the other is
     refused by ``DPOptimizer.step`` and ``gaussian_noise``, its state is refused here, and so is
-    a further call with the state both were computed from. (States are plain values: one built
+    a further call with the state both were computed from. Parts of one batch computed from one
+    state (then accumulated) return states of one key whose counts share that noise: the first
+    of them used carries the run on, and the others are refused. (States are plain values: one built
     by hand, or handed to another adaptive clipping function, is not checked.)
 
     Raises:
         ConfigurationError: (from ``grad_fn``) a state whose result has not been released; a
-            state already used for a call whose result was released.
+            state already used for a call whose result was released; a state of a key already
+            used with another clipping norm.
     """
     from opake_compile import random as _random
 
@@ -508,6 +511,13 @@ def adaptive_clipped_grad(
                 "a further call with it draws the same count noise on another sample, and two such "
                 "counts released would reveal their difference without noise. Continue from the state "
                 "that call returned."
+            )
+        if refusal == "claimed":
+            raise ConfigurationError(
+                f"Another AdaptiveClipState with this key and a different clipping_norm (not {cn!r}) "
+                "was used already: states of one key come from calls on one state (parts of a batch), "
+                "and their counts carry the same noise, so using two of them would reveal the "
+                "difference of the counts without noise. Continue from one of them."
             )
         if refusal == "pending":
             raise ConfigurationError(
