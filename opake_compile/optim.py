@@ -537,6 +537,9 @@ class DPOptimizer:
                 (refused on every rank, before anything changes).
 
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
+            Any error of the wrapped optimizer's own ``step`` (e.g. a hyperparameter a scheduler
+                set to ``None``) propagates after the charge: the release is the write to
+                ``.grad``, and the parameter groups it updated before failing stay updated.
         """
         if not isinstance(clipped, ClippedPytree):
             if isinstance(clipped, Sequence) and not isinstance(clipped, (str, bytes)):
