@@ -684,6 +684,8 @@ def test_adaptive_state_is_released_by_the_optimizer_step_and_through_accumulate
     with pytest.raises(ConfigurationError, match="has not been released"):
         grad_fn({"w": w}, x, state=nxt)
     opt.step(accumulate([a, b]))
+    with pytest.raises(InputTypeError):  # a call that raises (no tensor in the batch) claims nothing
+        grad_fn({"w": w}, "rows", state=nxt_a)
     got, _ = grad_fn({"w": w}, x, state=nxt)
     assert got.clipping_norm == nxt.clipping_norm
     # The parts' states share a key and their counts share a noise draw: one carries the run on.

@@ -234,6 +234,30 @@ def test_a_sum_is_released_once_by_gaussian_noise_or_the_optimizer():
         noise_fn(accumulate([r1]), ns)
 
 
+def test_the_eager_correlated_noise_function_releases_a_sum_once_too():
+    """mf_gaussian_noise's noise function (the eager DP-FTRL path, shaped like gaussian_noise)
+    noised one sum any number of times, before or after gaussian_noise or a DPOptimizer step
+    (a review of the one-release registry)."""
+    from opake_compile.dpftrl import mf_gaussian_noise
+    from opake_compile.dpftrl.strategies import identity_strategy
+
+    x, y = _data(40)
+    params = _params()
+    grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    mf_fn, ms = mf_gaussian_noise(identity_strategy(10), 1.0, opake.random.key(5))
+    noise_fn, ns = opake.dpsgd.gaussian_noise(1.0, opake.random.key(3))
+    r, _ = grad_fn(params, x[:10], y[:10], state=st)
+    _, ms2 = mf_fn(r, ms)
+    with pytest.raises(ConfigurationError, match="already released"):
+        mf_fn(r, ms2)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise_fn(r, ns)
+    r2, _ = grad_fn(params, x[:10], y[:10], state=st)
+    noise_fn(r2, ns)
+    with pytest.raises(ConfigurationError, match="already released"):
+        mf_fn(r2, ms2)
+
+
 def test_sum_gradients_releases_the_local_sum_with_the_global_one(tmp_path):
     """In a process group, sum_gradients returns new tensors: stepping on them used to leave the
     local sum unreleased, so it could be reduced and stepped on again on a later draw, charged

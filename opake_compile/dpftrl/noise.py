@@ -33,7 +33,14 @@ import torch
 from opake_compile import random as _random
 from opake_compile._validate import check_noise_multiplier
 from opake_compile.dpftrl.strategies import Strategy
-from opake_compile.dpsgd._types import ClippedPytree, NoisedPytree
+from opake_compile.dpsgd._types import (
+    ClippedPytree,
+    NoisedPytree,
+    check_not_released,
+    check_releasable,
+    mark_released,
+    mark_sum_released,
+)
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
 __all__ = ["MFNoiseState", "MFGaussianNoise", "mf_gaussian_noise"]
@@ -145,7 +152,8 @@ class MFGaussianNoise:
             InputTypeError: ``clipped`` is not a ``ClippedPytree``; ``state`` is not an
                 :class:`MFNoiseState`.
             ConfigurationError: C = inf with sigma > 0; the strategy's ``n`` steps are used up;
-                the buffers do not match the gradient's leaves.
+                the buffers do not match the gradient's leaves; the sum (or a part of it) was
+                released before (here, by ``gaussian_noise`` or by ``DPOptimizer.step``).
         """
         if not isinstance(clipped, ClippedPytree):
             raise InputTypeError(
@@ -162,6 +170,8 @@ class MFGaussianNoise:
                 f"Step {state.step} is past the {self.strategy.n} steps the strategy {self.strategy!r} was "
                 "built (and accounted) for; build it for more steps."
             )
+        check_not_released(clipped, "This clipped sum")  # one release per sum, as gaussian_noise
+        check_releasable(clipped)
         std = sigma * c if sigma > 0 else 0.0
         next_key, draw_key = _random.split(state.key, 2)
         leaves, treedef = optree.tree_flatten(clipped.grads)
@@ -191,6 +201,8 @@ class MFGaussianNoise:
         if self.strategy.replay:
             replay = (draw_key, *state.replay_keys)[: len(self._b) - 1]
         new_state = MFNoiseState(next_key, state.step + 1, buffers, replay)
+        mark_sum_released(clipped)
+        mark_released(clipped)
         return (
             NoisedPytree(grads=grads, clipping_norm=c, noise_multiplier=sigma, noise_std=std, normalize_by=clipped.normalize_by),
             new_state,

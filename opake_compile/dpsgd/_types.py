@@ -60,28 +60,34 @@ class ReceiptBook:
 
     ``pending``: ``(key, clipping_norm)`` of a state returned with a result not released yet
     -> its receipt. ``children``: a state's key -> the receipts of the results computed from
-    it (until one is released). ``used``: the keys of states one of whose results was
-    released (a further call with such a state would draw the same count noise again).
-    ``claimed``: a key -> the clipping norm of the first state used with it (results computed
-    from one state in parts, then accumulated, return states of one key and different norms,
-    each from a count with the same noise: only one of them may carry the run on)."""
+    it (until one is released). ``used``: the hashes of the keys of states one of whose
+    results was released (a further call with such a state would draw the same count noise
+    again; a hash, about 70 bytes a step, since this set grows by one per step).
+    ``claimed``: a key -> the clipping norm of the first state a call returned a result for
+    (results computed from one state in parts, then accumulated, return states of one key and
+    different norms, each from a count with the same noise: only one of them may carry the run
+    on); dropped once that key is used."""
 
     def __init__(self) -> None:
         self.pending: dict[tuple[Any, float], ReleaseReceipt] = {}
         self.children: dict[Any, list[ReleaseReceipt]] = {}
-        self.used: set[Any] = set()
+        self.used: set[int] = set()
         self.claimed: dict[Any, float] = {}
 
     def refusal(self, key: Any, clipping_norm: float) -> str | None:
-        """Why a state ``(key, clipping_norm)`` may not be used now, or None; when None, the
-        state's key is claimed for its clipping norm."""
+        """Why a state ``(key, clipping_norm)`` may not be used now, or None."""
         if (key, clipping_norm) in self.pending:
             return "pending"
-        if key in self.used:
+        if hash(key) in self.used:
             return "used"
-        if self.claimed.setdefault(key, clipping_norm) != clipping_norm:
+        if self.claimed.get(key, clipping_norm) != clipping_norm:
             return "claimed"
         return None
+
+    def claim(self, key: Any, clipping_norm: float) -> None:
+        """Record that a call with ``(key, clipping_norm)`` returned a result (a call that
+        raised claims nothing)."""
+        self.claimed.setdefault(key, clipping_norm)
 
 
 def pending_receipt(book: ReceiptBook, key: Any, clipping_norm: float) -> ReleaseReceipt | None:
@@ -122,7 +128,8 @@ def mark_released(clipped: "ClippedPytree") -> None:
         r.released = True
         book = r._book
         book.pending.pop(r._state, None)  # (an equal state of a sibling says the same)
-        book.used.add(r._parent)
+        book.used.add(hash(r._parent))
+        book.claimed.pop(r._parent, None)  # (refused as used from now on)
         for sibling in book.children.pop(r._parent, ()):
             if id(sibling) not in mine:
                 sibling.superseded = True

@@ -546,6 +546,7 @@ def adaptive_clipped_grad(
             result, releases=result.releases + (count_release,), receipts=result.receipts + (receipt,)
         )
         lock_releases(result)  # a copy that drops the count is refused
+        book.claim(state.key, cn)
         return result, AdaptiveClipState(new_c, next_key)
 
     return grad_fn, AdaptiveClipState(c0, key)
