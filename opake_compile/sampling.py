@@ -223,6 +223,9 @@ class PoissonSampler(Sampler[list[int]]):
         # epoch is being iterated; a restored position makes the next iter() resume there.
         self._position: tuple[int, int] | None = None
         self._resume_at = 0
+        # Bumped by load_state_dict: an iterator made before it stops there (it would hand out
+        # positions the loaded state does not know, and overwrite the restored position).
+        self._loads = 0
 
     # -- read-only configuration --------------------------------------------------------------
 
@@ -285,7 +288,14 @@ class PoissonSampler(Sampler[list[int]]):
 
     def _iterate(self, epoch: int, start: int = 0) -> Iterator[list[int]]:
         epoch_key = oprandom.fold_in(self._key, epoch)
+        loads = self._loads
         for step in range(start, self._steps):
+            if self._loads != loads:
+                raise ConfigurationError(
+                    "This iterator of the sampler was made before its load_state_dict: it would go on "
+                    "from where it was, not from the restored position (and move the restored position "
+                    "on). Iterate the sampler again (iter(sampler), or a new DataLoader iterator)."
+                )
             draw = self._draw(epoch_key, step, epoch)
             self._position = (epoch, step + 1)  # counted as drawn once handed out
             yield draw
@@ -381,10 +391,14 @@ class PoissonSampler(Sampler[list[int]]):
         """Restore the epoch counter saved by :meth:`state_dict`.
 
         The configuration must match this sampler's (a different q, N, cap or key would silently
-        change the privacy accounting or the random stream).
+        change the privacy accounting or the random stream). An iterator made before the load
+        raises :class:`~opake_compile.exceptions.ConfigurationError` at its next draw: iterate
+        the sampler again to resume at the restored position.
 
         Raises:
-            CheckpointError: a missing key, an unknown version, or a configuration mismatch.
+            CheckpointError: a missing key, an unknown version, or a configuration mismatch; a
+                state behind the draws a live ``DPOptimizer`` charged, or whose record of the
+                positions handed out as those draws differs from this sampler's.
         """
         if not isinstance(state, dict):
             raise CheckpointError(f"Expected a dict state, got {type(state).__name__}.")
@@ -454,6 +468,7 @@ class PoissonSampler(Sampler[list[int]]):
         self._epoch = epoch
         self._resume_at = position
         self._position = None
+        self._loads += 1
         self._handed_out = handed_out
         self._history = [list(run) for run in history]
         self._sizes, self._sizes_from = array.array("q"), handed_out

@@ -55,6 +55,22 @@ def test_state_dict_keeps_the_hand_out_counter():
         t.load_state_dict(dict(state, draws_handed_out=-1))
 
 
+def test_an_iterator_made_before_load_state_dict_stops_there():
+    """An iterator still open across load_state_dict went on from its own position and moved the
+    restored one: the next fresh iterator then handed out a draw already charged (refused, but
+    the run could not go on; a review). It now raises, naming what to do; a fresh iterator
+    resumes where the state says."""
+    s = PoissonSampler(40, 0.25, key=oprandom.key(0))
+    it = iter(s)
+    first = [next(it).id for _ in range(3)]
+    saved = s.state_dict()
+    s.load_state_dict(saved)
+    with pytest.raises(ConfigurationError, match="made before its load_state_dict"):
+        next(it)
+    resumed = next(iter(s)).id
+    assert (resumed.epoch, resumed.step, resumed.seq) == (0, 3, 3) and [d.seq for d in first] == [0, 1, 2]
+
+
 def test_draw_loader_yields_batches_with_their_draw():
     x = torch.arange(40.0).reshape(20, 2)
     s = PoissonSampler(20, 0.3, key=oprandom.key(3), steps=5)
