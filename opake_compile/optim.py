@@ -46,9 +46,8 @@ from opake_compile.compiler.passes import numerics as _num
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.dpsgd._types import SOURCES as _SOURCES
 from opake_compile.dpsgd._types import check_not_released as _check_not_released
-from opake_compile.dpsgd._types import check_releasable as _check_releasable
-from opake_compile.dpsgd._types import mark_released as _release_receipts
-from opake_compile.dpsgd._types import mark_sum_released as _mark_sum_released
+from opake_compile.dpsgd._types import check_release as _check_release
+from opake_compile.dpsgd._types import record_release as _record_release
 from opake_compile.dpsgd._types import sum_tensors as _sum_tensors
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
@@ -555,8 +554,7 @@ class DPOptimizer:
                 f"The ClippedPytree was already normalised (normalize_by={clipped.normalize_by}); "
                 "DPOptimizer adds noise to the sum and divides by the expected batch size itself."
             )
-        _check_not_released(clipped, "This clipped sum")
-        _check_releasable(clipped)
+        _check_release(clipped)
         charger = _CHARGERS.get(self.sampler)
         if charger is not None and charger() not in (None, self):
             raise ConfigurationError(
@@ -718,8 +716,7 @@ class DPOptimizer:
     def _released(self, clipped: ClippedPytree) -> None:
         """Record a release (at the write to ``.grad``): the sum and its parts may not be
         released again, and this optimizer charges its sampler's draws from now on."""
-        _mark_sum_released(clipped)
-        _release_receipts(clipped)  # its receipts: adaptive clipping's next norm may now be used
+        _record_release(clipped)  # receipts included: adaptive clipping's next norm may now be used
         try:
             _CHARGERS[self.sampler] = weakref.ref(self)
         except TypeError:  # a sampler object that cannot be weakly referenced: not tracked

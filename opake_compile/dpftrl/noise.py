@@ -36,10 +36,8 @@ from opake_compile.dpftrl.strategies import Strategy
 from opake_compile.dpsgd._types import (
     ClippedPytree,
     NoisedPytree,
-    check_not_released,
-    check_releasable,
-    mark_released,
-    mark_sum_released,
+    check_release,
+    record_release,
 )
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -170,8 +168,7 @@ class MFGaussianNoise:
                 f"Step {state.step} is past the {self.strategy.n} steps the strategy {self.strategy!r} was "
                 "built (and accounted) for; build it for more steps."
             )
-        check_not_released(clipped, "This clipped sum")  # one release per sum, as gaussian_noise
-        check_releasable(clipped)
+        check_release(clipped)  # one release per sum, whichever function makes it
         std = sigma * c if sigma > 0 else 0.0
         next_key, draw_key = _random.split(state.key, 2)
         leaves, treedef = optree.tree_flatten(clipped.grads)
@@ -201,8 +198,7 @@ class MFGaussianNoise:
         if self.strategy.replay:
             replay = (draw_key, *state.replay_keys)[: len(self._b) - 1]
         new_state = MFNoiseState(next_key, state.step + 1, buffers, replay)
-        mark_sum_released(clipped)
-        mark_released(clipped)
+        record_release(clipped)
         return (
             NoisedPytree(grads=grads, clipping_norm=c, noise_multiplier=sigma, noise_std=std, normalize_by=clipped.normalize_by),
             new_state,

@@ -177,6 +177,21 @@ def mark_sum_released(clipped: "ClippedPytree") -> None:
         _RELEASED[key] = weakref.ref(t, forget)
 
 
+def check_release(clipped: "ClippedPytree") -> None:
+    """Refuse to release ``clipped`` (a DPOptimizer step, ``gaussian_noise``, the correlated
+    noise of ``mf_gaussian_noise``) unless it is releasable: not released before, in whole or
+    in part (:func:`check_not_released`), and its receipts releasable (:func:`check_releasable`)."""
+    check_not_released(clipped, "This clipped sum")
+    check_releasable(clipped)
+
+
+def record_release(clipped: "ClippedPytree") -> None:
+    """Record that ``clipped`` was released: its sums, the sums it was made from, and its
+    receipts (adaptive clipping's next norm may be used from now on)."""
+    mark_sum_released(clipped)
+    mark_released(clipped)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ClippedPytree(DPOutput):
     """The clipped sum of per-example gradients (or of any per-example outputs).

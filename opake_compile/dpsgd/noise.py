@@ -23,10 +23,8 @@ from opake_compile._validate import check_noise_multiplier
 from opake_compile.dpsgd._types import (
     ClippedPytree,
     NoisedPytree,
-    check_not_released,
-    check_releasable,
-    mark_released,
-    mark_sum_released,
+    check_release,
+    record_release,
 )
 from opake_compile.exceptions import ConfigurationError, InputTypeError
 
@@ -116,8 +114,7 @@ def gaussian_noise(
             raise ConfigurationError("Cannot add noise calibrated to clipping_norm=inf; clip with a finite C.")
         # One release per sum, whichever function makes it: a sum noised here and stepped on by
         # DPOptimizer (or noised twice) would be two noisy views of one sample under one charge.
-        check_not_released(clipped, "This clipped sum")
-        check_releasable(clipped)
+        check_release(clipped)
         std = sigma * c if sigma > 0 else 0.0
         next_key, draw_key = _random.split(state.key, 2)
         if clipped.normalize_by is None:
@@ -130,8 +127,7 @@ def gaussian_noise(
                 clipped.grads,
                 add_gaussian_noise(optree.tree_map(torch.zeros_like, clipped.grads), std, draw_key),
             )
-        mark_sum_released(clipped)
-        mark_released(clipped)  # (adaptive clipping's next norm may be used from now on)
+        record_release(clipped)
         return (
             NoisedPytree(grads=grads, clipping_norm=c, noise_multiplier=sigma, noise_std=std, normalize_by=clipped.normalize_by),
             NoiseState(next_key),
