@@ -523,7 +523,11 @@ def test_clipping_norm_is_read_only():
 
 
 def test_model_state_walk_matches_torch_on_tied_missing_and_shared_members():
-    from opake_compile.compiler.step import _model_state
+    from opake_compile.compiler.step import _ModelView
+
+    def _model_state(model):
+        view = _ModelView.read(model)
+        return view.params, view.buffers, view.modes
 
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -553,6 +557,96 @@ def test_model_state_walk_matches_torch_on_tied_missing_and_shared_members():
     assert list(params.items()) == list(nested.named_parameters())
     assert list(buffers.items()) == list(nested.named_buffers())
     assert modes == tuple(m.training for m in nested.modules())
+
+
+def _edits():
+    """Changes to a model between two calls of a step, each of which a call must see."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x):
+            return self.body(x) * self.scale
+
+    def swap_param(m):
+        m.body[0].weight = nn.Parameter(m.body[0].weight.detach() * 2)
+
+    def swap_module(m):
+        m.body[2] = nn.Linear(7, 3)
+
+    def grow(m):
+        m.body[2].extra = nn.Parameter(torch.zeros(()))  # a new, unused leaf parameter
+
+    def swap_buffer(m):
+        m.scale = torch.full((3,), 3.0)
+
+    def drop_bias(m):
+        m.body[2].bias = None
+
+    def new_data(m):
+        with torch.no_grad():
+            m.body[0].weight.data = m.body[0].weight.detach() * 3  # same Parameter, new storage
+
+    def to_double(m):
+        m.double()
+
+    return Scaled, {
+        "freeze": lambda m: m.body[0].requires_grad_(False),
+        "eval": lambda m: m.body[1].eval(),
+        "swap_param": swap_param,
+        "swap_module": swap_module,
+        "grow": grow,
+        "swap_buffer": swap_buffer,
+        "drop_bias": drop_bias,
+        "new_data": new_data,
+        "double": to_double,
+    }
+
+
+@pytest.mark.parametrize("edit", list(_edits()[1]))
+def test_the_model_reading_is_reused_only_while_nothing_in_the_tree_changed(edit):
+    from opake_compile.compiler.step import _ModelView
+
+    make, edits = _edits()
+    model = make()
+    view = _ModelView.read(model)
+    assert view.still_holds(model)
+    assert not view.still_holds(make())  # another model (the step's model reassigned)
+    edits[edit](model)
+    fresh = _ModelView.read(model)
+    assert view.still_holds(model) == (edit == "new_data")  # new storage: the same reading
+    assert list(fresh.params.items()) == list(model.named_parameters())
+    assert list(fresh.buffers.items()) == list(model.named_buffers())
+    assert fresh.modes == tuple(m.training for m in model.modules())
+    assert fresh.still_holds(model)
+
+
+@pytest.mark.parametrize("edit", list(_edits()[1]))
+def test_a_step_after_an_edit_of_its_model_gives_what_a_new_step_gives(edit):
+    make, edits = _edits()
+    torch.manual_seed(0)
+    model = make()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    key = opake.random.key(4)  # (no dropout here: the key is not split)
+    step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None, key=key)
+    before = step(x, y)
+    edits[edit](model)
+    xe = x.double() if edit == "double" else x
+    got = step(xe, y)
+    want = compile_dp(loss, model=model, clipping_norm=0.5, backend=None, key=key)(xe, y)
+    assert set(got.clipped.grads) == set(want.clipped.grads) == {k for k, p in model.named_parameters() if p.requires_grad}
+    assert_trees_close(got.clipped.grads, want.clipped.grads, torch.float64 if edit == "double" else torch.float32)
+    assert all(got.clipped.parameters[k] is p for k, p in model.named_parameters() if p.requires_grad)
+    changed = set(before.clipped.grads) != set(got.clipped.grads) or any(
+        not torch.equal(before.clipped.grads[k].double(), got.clipped.grads[k].double()) for k in got.clipped.grads
+    )
+    assert changed or edit in ("grow", "eval"), "the edit should change the clipped sum"
+    if edit == "eval":  # (a Tanh computes the same in both modes, but the mode is part of the graph)
+        assert step.num_traces == 2
 
 
 # ----------------------------------------------------------------------------- aliasing

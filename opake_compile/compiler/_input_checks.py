@@ -57,7 +57,8 @@ class InputCheck:
         (An ``int`` value is the index of a leaf checked as it is, singleton dimensions the
         value added left out: no graph call.) The leaves are never written to."""
         if isinstance(self.value, int):
-            return self.test(leaves[self.value][:rows], first_row)
+            leaf = leaves[self.value]
+            return self.test(leaf if leaf.shape[0] == rows else leaf[:rows], first_row)
         if self.mutates:
             leaves = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         with torch.no_grad():
@@ -162,12 +163,12 @@ def range_test(what: str, low: int, high: int, *, ignore: int | None = None, hin
     def test(rows: torch.Tensor, first_row: int) -> str | None:
         if rows.numel() == 0:
             return None
-        lo, hi = torch.stack(torch.aminmax(rows)).tolist()  # one host read (a device sync on a GPU)
+        lo, hi = _extremes(rows)
         if lo >= low and hi <= high:
             return None
         values = rows if ignore is None else rows.masked_fill(rows == ignore, low)
         if ignore is not None:
-            lo, hi = torch.stack(torch.aminmax(values)).tolist()
+            lo, hi = _extremes(values)
             if lo >= low and hi <= high:
                 return None
         flat = values.reshape(values.shape[0], -1)
@@ -177,6 +178,16 @@ def range_test(what: str, low: int, high: int, *, ignore: int | None = None, hin
         return f"{what} {bad} in example {first_row + row} of the batch is outside [{low}, {high}]{hint}."
 
     return test
+
+
+def _extremes(rows: torch.Tensor) -> tuple[Any, Any]:
+    """``(min, max)`` of ``rows`` as Python numbers: one host read (one device sync) on an
+    accelerator, two reads of 0-d results on the CPU (where a read costs no sync, and they are
+    cheaper than stacking the pair)."""
+    lo, hi = torch.aminmax(rows)
+    if rows.device.type == "cpu":
+        return lo.item(), hi.item()
+    return tuple(torch.stack((lo, hi)).tolist())
 
 
 def _mutates(gm: fx.GraphModule) -> bool:

@@ -36,7 +36,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import optree
@@ -78,6 +80,27 @@ class DPStepResult:
     coverage: Mapping[str, str]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Feed:
+    """How :meth:`DPStep._run` feeds a graph, worked out once from its layout: the trainable
+    names, the other parameters and buffers as ``(is_parameter, name)``, the kinds of the
+    argument leaves (all of them, and the tensor ones), whether every leaf is a tensor, and the
+    number of batch draws."""
+
+    trainable: tuple[str, ...]
+    others: tuple[tuple[bool, str], ...]
+    leaf_kinds: tuple[str, ...]
+    kinds: tuple[str, ...]
+    tensors_only: bool
+    batch_draws: int
+
+    @classmethod
+    def of(cls, layout: Any) -> "_Feed":
+        others = tuple((kind == "param", name) for kind, name in (key.split(":", 1) for key in layout.others))
+        kinds = tuple(k for k in layout.leaf_kinds if k != "const")
+        return cls(layout.trainable, others, layout.leaf_kinds, kinds, len(kinds) == len(layout.leaf_kinds), layout.batch_draws)
+
+
 @dataclasses.dataclass
 class _Compiled:
     traced: TracedGraph
@@ -85,6 +108,10 @@ class _Compiled:
     coverage: dict[str, str]
     fn: Callable[..., Any]
     methods: dict[str, str] = dataclasses.field(default_factory=dict)  # see _check_same_methods
+    feed: _Feed = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feed = _Feed.of(self.traced.layout)
 
 
 def _default_physical_batch_size(n: int) -> int:
@@ -172,6 +199,10 @@ class _SizePlan:
         holding = [s for s in self.sizes if s >= m]
         return min(holding) if holding else max(self.sizes)
 
+    def planned(self, n: int) -> tuple[tuple[int, int], ...] | None:
+        """The plan made earlier for ``n`` rows, or None (nothing is registered)."""
+        return self._plans.get(n)
+
     def plan(self, n: int) -> tuple[tuple[int, int], ...]:
         """``((rows, physical size), ...)`` for a batch of ``n >= 1`` rows; registers the sizes."""
         hit = self._plans.get(n)
@@ -238,6 +269,8 @@ class DPStep:
         self._cache: dict[Any, _Compiled] = {}
         self._constants: dict[Any, torch.Tensor] = {}
         self._flat_treedefs: dict[int, Any] = {}  # tuples of n tensors (_signature)
+        self._view: _ModelView | None = None  # the last reading of the model (_read_model)
+        self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
         self._num_calls = 0
@@ -279,6 +312,53 @@ class DPStep:
         return 0 if self._counter is None else self._counter.count
 
     def __call__(self, *args: Any, **kwargs: Any) -> DPStepResult:
+        repeat = self._repeat
+        if repeat is not None and not kwargs:
+            result = self._call_again(repeat, args)
+            if result is not None:
+                return result
+        return self._call(args, kwargs)
+
+    def _call_again(self, repeat: _Repeat, args: tuple) -> DPStepResult | None:
+        """A call like the last general one (:meth:`_call`), without its general work: the
+        same argument signature (positional tensors of the same dtypes, devices and shapes
+        beyond the batch dimension), the same model reading (:class:`_ModelView`), the same
+        matrix-product precision, a batch size planned before and graphs built for its
+        sizes. Anything else, every error included, returns None and takes the general path,
+        which decides as it always did: this path only skips work whose result it knows."""
+        if len(args) != repeat.nargs:
+            return None
+        n = 0
+        for a, batched in zip(args, repeat.flags):
+            if type(a) is not torch.Tensor:
+                return None
+            if batched:
+                if a.dim() == 0 or (n and a.shape[0] != n):
+                    return None
+                n = a.shape[0]
+        if not n or _tensor_parts(args, repeat.batched) != repeat.parts:
+            return None
+        _num.check_gradual_underflow()
+        view = self._read_model()
+        if view is not repeat.view or _num.float32_matmul_is_ieee() != repeat.ieee:
+            return None
+        chunks = self._plan.planned(n)
+        if chunks is None:
+            return None
+        graphs = repeat.graphs
+        if any(p not in graphs for _, p in chunks):
+            return None
+        key = self._key
+        try:
+            result = self._run(graphs, chunks, args, repeat.batched, n, view.params, view.buffers)
+        except BaseException:
+            self._key = key  # a step that raised spent no draws
+            raise
+        self._num_calls += 1
+        return result
+
+    def _call(self, args: tuple, kwargs: dict[str, Any]) -> DPStepResult:
+        """The general call: every check, the signature, planning, tracing and lowering on a miss."""
         if kwargs:
             raise InputTypeError(
                 f"DPStep takes the loss's positional arguments only; got keyword(s) {sorted(kwargs)}. "
@@ -289,14 +369,14 @@ class DPStep:
         batched = self._batched_positions(len(args))
         n = check_batch_size(args, batched)
         _num.check_gradual_underflow()
-        params, buffers, modes = _model_state(self.model)
-        trainable = tuple(k for k, p in params.items() if p.requires_grad)
+        view = self._read_model()
+        params, buffers, trainable = view.params, view.buffers, view.trainable
         if not trainable:
             raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
         if n == 0:
             self._num_calls += 1
             return self._empty_result(params, trainable)
-        base = self._signature(args, batched, trainable, params, modes)
+        base = self._signature(args, batched, view)
         undo, key = self._plan.undo_point(), self._key
         try:
             self._plan.set_anchor(n)
@@ -308,6 +388,16 @@ class DPStep:
             self._key = key  # nor spent draws: a step that raised returned nothing
             raise
         self._num_calls += 1
+        if all(type(a) is torch.Tensor for a in args):
+            self._repeat = _Repeat(
+                nargs=len(args),
+                batched=batched,
+                flags=tuple(i in batched for i in range(len(args))),
+                parts=base[1],
+                view=view,
+                ieee=base[-1],
+                graphs={p: c for (b, p), c in self._cache.items() if b == base},
+            )
         return result
 
     @property
@@ -410,9 +500,7 @@ class DPStep:
         n = check_batch_size(args, batched)
         if n == 0:
             return None
-        params, _, modes = _model_state(self.model)
-        trainable = tuple(k for k, p in params.items() if p.requires_grad)
-        base = self._signature(args, batched, trainable, params, modes)
+        base = self._signature(args, batched, self._read_model())
         return self._cache.get((base, self._plan.plan(n)[0][1]))
 
     def _batched_positions(self, nargs: int) -> tuple[int, ...]:
@@ -423,23 +511,21 @@ class DPStep:
             raise ConfigurationError(f"batch_argnums names argument(s) {bad}, but the step got {nargs} argument(s).")
         return self.batch_argnums
 
-    def _signature(
-        self,
-        args: tuple,
-        batched: tuple[int, ...],
-        trainable: tuple[str, ...],
-        params: dict[str, torch.Tensor],
-        modes: tuple[bool, ...],
-    ) -> Any:
+    def _read_model(self) -> _ModelView:
+        """The model's parameters, buffers, modes and trainable names, read again only when
+        the tree changed since the last call (:class:`_ModelView`)."""
+        view = self._view
+        if view is None or not view.still_holds(self.model):
+            view = self._view = _ModelView.read(self.model)
+        return view
+
+    def _signature(self, args: tuple, batched: tuple[int, ...], view: _ModelView) -> Any:
         if all(type(a) is torch.Tensor for a in args):
             # Fast path, the common call: positional tensors only (the same key as below).
             treedef = self._flat_treedefs.get(len(args))
             if treedef is None:
                 treedef = self._flat_treedefs[len(args)] = optree.tree_structure(args, none_is_leaf=True)
-            parts = [
-                (i in batched, a.dtype, tuple(a.shape[1:]) if i in batched else tuple(a.shape), a.device.type)
-                for i, a in enumerate(args)
-            ]
+            parts = _tensor_parts(args, batched)
         else:
             paths, leaves, treedef = optree.tree_flatten_with_path(args, none_is_leaf=True)
             parts = []
@@ -453,13 +539,12 @@ class DPStep:
                         parts.append(("const", leaf))
                     except TypeError:
                         parts.append(("const", repr(leaf)))
-        model_state = tuple((n, q.dtype, q.shape) for n, q in params.items())
-        device = next(iter(params.values())).device.type if params else None  # the model's device
+        model_state, device, modes = view.signature  # parameter dtypes and shapes, the model's device
         # The rewrites size float32 rounding bounds (Gram matrices, the mixed path's product) to
         # the matrix-product precision in force when they trace: a graph traced under IEEE
         # float32 must not run once TF32 or bfloat16 passes are allowed (an example's
         # contribution reached 1.007 C that way), so a changed setting traces again.
-        return (treedef, tuple(parts), trainable, model_state, device, modes, _num.float32_matmul_is_ieee())
+        return (treedef, tuple(parts), view.trainable, model_state, device, modes, _num.float32_matmul_is_ieee())
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
@@ -571,20 +656,20 @@ class DPStep:
         buffers: dict[str, torch.Tensor],
     ) -> DPStepResult:
         first = graphs[chunks[0][1]]
-        layout = first.traced.layout  # parameter partition and argument layout: the same in every graph
-        state = [params[k].detach() for k in layout.trainable]
-        for key in layout.others:
-            kind, name = key.split(":", 1)
-            state.append((params if kind == "param" else buffers)[name].detach())
+        feed = first.feed  # parameter partition and argument layout: the same in every graph
+        state = [params[k].detach() for k in feed.trainable]
+        for is_param, name in feed.others:
+            state.append((params if is_param else buffers)[name].detach())
         device = state[0].device
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
-        kinds = [k for k in layout.leaf_kinds if k != "const"]
-        every = list(args) if all(type(a) is torch.Tensor for a in args) else optree.tree_leaves(args, none_is_leaf=True)
-        flat = [l for l, k in zip(every, layout.leaf_kinds) if k != "const"]
-        sums: list[torch.Tensor] | None = None
-        norms, means, kept_counts = [], [], []
+        if feed.tensors_only and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
+            flat = args
+        else:
+            every = optree.tree_leaves(args, none_is_leaf=True)
+            flat = [l for l, k in zip(every, feed.leaf_kinds) if k != "const"]
+        kinds = feed.kinds
 
-        def chunk(m: int, p: int, start: int) -> list:
+        def chunk(m: int, p: int, start: int) -> Sequence[torch.Tensor]:
             # Every tensor reaches the graph contiguous, as it was traced (_pad_args): the
             # backend compiles for the traced strides (a transposed unbatched argument failed
             # in Inductor's stride check).
@@ -596,8 +681,8 @@ class DPStep:
 
         # Checks on real values that the graph cannot make (e.g. labels within the vocabulary,
         # compiler/_input_checks.py): every chunk passes before any graph runs or key is split.
+        ready: list[Sequence[torch.Tensor] | None] = []  # each chunk's padded leaves, if the checks made them
         start = 0
-        checked = None  # a single chunk's padded leaves, kept for its run (one copy, not two)
         for m, p in chunks:
             checks = graphs[p].traced.input_checks
             leaves = chunk(m, p, start) if checks else None
@@ -605,42 +690,46 @@ class DPStep:
                 message = check.run(leaves, m, start)
                 if message is not None:
                     raise ConfigurationError(f"{message} The batch was refused before the step ran: nothing changed.")
-            if len(chunks) == 1:
-                checked = leaves
+            # One chunk's leaves are kept for its run (one copy, not two); several chunks'
+            # are made again, one at a time, so that their copies are not all held at once.
+            ready.append(leaves if len(chunks) == 1 else None)
             start += m
-        draws = self._batch_draws(layout.batch_draws, device)
-        start = 0
-        for m, p in chunks:
+        draws = self._batch_draws(feed.batch_draws, device)
+        start, sums, outs = 0, None, []
+        for (m, p), leaves in zip(chunks, ready):
             compiled = graphs[p]
-            leaves = checked if checked is not None else chunk(m, p, start)
-            checked = None
+            if leaves is None:
+                leaves = chunk(m, p, start)
             start += m
             mask = self._constant(("mask", device, p, m), lambda: torch.arange(p, device=device) < m)
             grad_was = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)  # torch.no_grad(), without its Python objects
             try:
-                with self._rng_scope(compiled, device):
+                if compiled.traced.has_randomness:
+                    with self._rng_scope(device):
+                        out = compiled.fn(*state, clip, mask, *leaves, *draws)
+                else:
                     out = compiled.fn(*state, clip, mask, *leaves, *draws)
             finally:
                 torch._C._set_grad_enabled(grad_was)
             # (per-example losses, norms, kept flags, clipped sums..., kept count, mean loss)
-            norm_c, _, *sum_c, kept_c, mean_c = out[1:]
-            norms.append(norm_c if m == p else norm_c[:m])
-            means.append(mean_c), kept_counts.append(kept_c)
+            sum_c = out[3:-2]
             # Chunk sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS).
             sums = list(sum_c) if sums is None else [_num.add_partial(a, b) for a, b in zip(sums, sum_c)]
-        if len(chunks) == 1:
-            per_example_norms, kept, loss = norms[0], kept_counts[0], means[0]
+            outs.append((out[1] if m == p else out[1][:m], out[-2], out[-1]))
+        if len(outs) == 1:
+            ((per_example_norms, kept, loss),) = outs
         else:
+            norms, kept_counts, means = zip(*outs)
             per_example_norms, kept = torch.cat(norms), torch.stack(kept_counts).sum()
             loss = sum(mean.double() * m for mean, (m, _) in zip(means, chunks)).div(n).to(means[0].dtype)
         clipped = ClippedPytree(
-            grads=dict(zip(layout.trainable, sums)),
-            clipping_norm=self.clipping_norm,
+            grads=dict(zip(feed.trainable, sums)),
+            clipping_norm=self._clipping_norm,
             per_example_norms=per_example_norms,
             num_examples=n,
             num_nonfinite=n - int(kept),  # the one host read of the step
-            parameters={k: params[k] for k in layout.trainable},
+            parameters={k: params[k] for k in feed.trainable},
         )
         return DPStepResult(loss=loss, clipped=clipped, coverage=dict(first.coverage))
 
@@ -674,12 +763,10 @@ class DPStep:
         u = torch.rand(count, generator=_random.generator_from_key(draw), dtype=torch.float32)
         return [u.to(device)]
 
-    def _rng_scope(self, compiled: _Compiled, device: torch.device) -> contextlib.AbstractContextManager:
-        """Random ops in the loss (dropout) draw from a seed derived from the step's key, in a
-        scope that restores the global generator afterwards; each example draws independent
-        randomness (``vmap(randomness="different")``)."""
-        if not compiled.traced.has_randomness:
-            return contextlib.nullcontext()
+    def _rng_scope(self, device: torch.device) -> contextlib.AbstractContextManager:
+        """For a graph with random ops (dropout): they draw from a seed derived from the step's
+        key, in a scope that restores the global generator afterwards; each example draws
+        independent randomness (``vmap(randomness="different")``)."""
         self._key, draw = _random.split(self._key, 2)
         seed = _random.generator_from_key(draw).initial_seed()
 
@@ -754,25 +841,49 @@ def _public_difference(now: tuple, then: tuple) -> str:
     return f"Argument leaf {i} has shape {a[2]} against {b[2]}{beyond} at an earlier call of this step."
 
 
-def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[bool, ...]]:
-    """``(dict(named_parameters()), dict(named_buffers()), tuple(m.training for m in modules()))``
-    in one walk of the module tree (three walks were a measurable share of a small model's step).
-    Modules are visited in ``named_modules()``'s order (pre-order, a shared module once, at its
-    first name), with an explicit stack rather than its nested generators (per-call overhead);
-    shared tensors are listed once, under their first name, as ``named_parameters`` does."""
+def _tensor_parts(args: tuple, batched: tuple[int, ...]) -> tuple:
+    """Per positional tensor argument: (batched?, dtype, dimensions beyond the batch dimension
+    if batched else the shape, device type): its part of :meth:`DPStep._signature`."""
+    return tuple(
+        (i in batched, a.dtype, tuple(a.shape[1:]) if i in batched else tuple(a.shape), a.device.type)
+        for i, a in enumerate(args)
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Repeat:
+    """What the last general call (all positional tensors) found, for :meth:`DPStep._call_again`:
+    its argument parts (:func:`_tensor_parts`), model reading, matrix-product precision and
+    the graphs built for its signature, by physical size."""
+
+    nargs: int
+    batched: tuple[int, ...]
+    flags: tuple[bool, ...]
+    parts: tuple
+    view: "_ModelView"
+    ieee: bool
+    graphs: dict[int, _Compiled]
+
+
+def _walk(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[nn.Module, ...]]:
+    """``(dict(named_parameters()), dict(named_buffers()), tuple(modules()))`` in one walk of
+    the module tree (three walks were a measurable share of a small model's step). Modules are
+    visited in ``named_modules()``'s order (pre-order, a shared module once, at its first
+    name), with an explicit stack rather than its nested generators (per-call overhead); shared
+    tensors are listed once, under their first name, as ``named_parameters`` does."""
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
     visited: set[int] = set()
-    modes = []
+    modules = []
     stack = [("", model)]
     while stack:
         prefix, mod = stack.pop()
         if id(mod) in visited:
             continue
         visited.add(id(mod))
-        modes.append(mod.training)
+        modules.append(mod)
         dot = prefix + "." if prefix else ""
         for store, out, seen in ((mod._parameters, params, seen_params), (mod._buffers, buffers, seen_buffers)):
             for name, t in store.items():
@@ -782,7 +893,95 @@ def _model_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, t
         children = mod._modules
         if children:
             stack.extend((dot + name, child) for name, child in reversed(children.items()) if child is not None)
-    return params, buffers, tuple(modes)
+    return params, buffers, tuple(modules)
+
+
+_TRAINING = operator.attrgetter("training")
+_STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), operator.attrgetter("_modules"))
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DTYPE = operator.attrgetter("dtype")
+_SHAPE = operator.attrgetter("shape")
+
+
+def _entries(modules: tuple[nn.Module, ...]) -> tuple[Any, ...]:
+    """Every module's ``_parameters``, ``_buffers`` and ``_modules`` dicts, as they are now."""
+    return tuple(chain.from_iterable(map(get, modules) for get in _STORES))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ModelView:
+    """One reading of the model (:func:`_walk`) and what a call derives from it, with the
+    fingerprint that tells, without walking the tree again, whether a new reading would
+    give the same: every module's mode, the names and identities of every entry of its
+    parameter, buffer and child dicts, and each listed parameter's ``requires_grad``, dtype
+    and shape (``.to()`` and ``.half()`` change a parameter in place), and the device of the
+    first one (the signature's model device). A parameter, buffer or module replaced, added,
+    removed or frozen, or a mode switched, fails :meth:`still_holds`; so does another model
+    set on the step. The view holds the entries it read, so that their ids cannot be reused
+    by new objects while it is kept (a replaced module stays alive until the next call).
+    """
+
+    model: nn.Module
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    modes: tuple[bool, ...]
+    trainable: tuple[str, ...]
+    signature: tuple  # the model's part of DPStep._signature: (parameter meta, device, modes)
+    modules: tuple[nn.Module, ...]
+    names: tuple[str, ...]
+    members: tuple[Any, ...]
+    member_ids: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+    meta: tuple[tuple[bool, ...], tuple[torch.dtype, ...], tuple[torch.Size, ...], Any]
+
+    @classmethod
+    def read(cls, model: nn.Module) -> "_ModelView":
+        params, buffers, modules = _walk(model)
+        modes = tuple(map(_TRAINING, modules))
+        stores = _entries(modules)
+        members = tuple(chain.from_iterable(map(dict.values, stores)))
+        tensors = tuple(params.values())
+        device = tensors[0].device if tensors else None
+        return cls(
+            model=model,
+            params=params,
+            buffers=buffers,
+            modes=modes,
+            trainable=tuple(k for k, p in params.items() if p.requires_grad),
+            signature=(
+                tuple((n, q.dtype, q.shape) for n, q in params.items()),
+                None if device is None else device.type,
+                modes,
+            ),
+            modules=modules,
+            names=tuple(chain.from_iterable(stores)),
+            members=members,
+            member_ids=tuple(map(id, members)),
+            tensors=tensors,
+            meta=(tuple(map(_REQUIRES_GRAD, tensors)), tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), device),
+        )
+
+    def still_holds(self, model: nn.Module) -> bool:
+        """Whether :meth:`read` of ``model`` now would give this view (C-level passes over
+        the tree's dicts, no Python loop)."""
+        if model is not self.model:
+            return False
+        modules = self.modules
+        if tuple(map(_TRAINING, modules)) != self.modes:
+            return False
+        stores = _entries(modules)
+        if tuple(chain.from_iterable(stores)) != self.names:
+            return False
+        if tuple(map(id, chain.from_iterable(map(dict.values, stores)))) != self.member_ids:
+            return False
+        tensors = self.tensors
+        grads, dtypes, shapes, device = self.meta
+        return (
+            tuple(map(_REQUIRES_GRAD, tensors)) == grads
+            and tuple(map(_DTYPE, tensors)) == dtypes
+            and tuple(map(_SHAPE, tensors)) == shapes
+            and (not tensors or tensors[0].device == device)
+        )
 
 
 def _pad_args(args: tuple, batched: tuple[int, ...], start: int, m: int, p: int) -> tuple:
