@@ -649,6 +649,40 @@ def test_a_step_after_an_edit_of_its_model_gives_what_a_new_step_gives(edit):
         assert step.num_traces == 2
 
 
+def test_a_repeated_call_skips_the_general_path_and_gives_what_it_gives(monkeypatch):
+    # The general path runs for the first call of each kind; a call like an earlier one (same
+    # tensor parts, model reading, planned size, built graphs) takes the short path and gives
+    # bit for bit what the general path gave for the same batch. Anything else goes back to
+    # the general path, which accepts or refuses as it always did.
+    case = mlp_case(seed=2)
+    step = compile_dp(case.loss_fn, model=case.model, clipping_norm=0.5, backend=None)
+    general = []
+    call = type(step)._call
+    monkeypatch.setattr(type(step), "_call", lambda self, *a: general.append(1) or call(self, *a))
+    (x6, y6), (x7, y7) = case.make_batch(6, 0), case.make_batch(7, 1)
+    first = step(x6, y6)
+    again = step(x6, y6)
+    assert len(general) == 1
+    assert all(torch.equal(first.clipped.grads[k], again.clipped.grads[k]) for k in first.clipped.grads)
+    assert torch.equal(first.clipped.per_example_norms, again.clipped.per_example_norms)
+    step(x7, y7)  # a size not planned yet
+    step(x7, y7), step(x6, y6)
+    assert len(general) == 2
+    calls = step.num_calls
+    with pytest.raises(InputTypeError):
+        step(x6, y6.tolist())  # not a tensor: refused by the general path
+    with pytest.raises(UnsupportedOperationError):
+        step(x6.double(), y6)  # another dtype: a public input changed
+    with pytest.raises(ConfigurationError, match="outside"):
+        step(x6, y6 + 10)  # labels out of range: refused on the short path, nothing changed
+    assert len(general) == 4 and step.num_calls == calls
+    case.model[0].requires_grad_(False)  # another model reading
+    out = step(x6, y6)
+    assert len(general) == 5 and "0.weight" not in out.clipped.grads
+    step(x6, y6)
+    assert len(general) == 5
+
+
 # ----------------------------------------------------------------------------- aliasing
 class _TwiceRegistered(nn.Module):
     """A submodule registered under two names (``self.b = self.a``) and used twice, plus a
