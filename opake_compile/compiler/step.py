@@ -739,7 +739,7 @@ class DPStep:
         the step keeps no copy of a batch between calls), contiguous: the graphs are traced
         and compiled for contiguous batches (a channels_last batch in a graph traced on a
         contiguous one failed in a view, and would fail Inductor's stride checks)."""
-        rows = x[start : start + m]
+        rows = x if start == 0 and m == x.shape[0] else x[start : start + m]  # (a slice is a view op: skipped when whole)
         if m == p:
             return rows.contiguous()
         # One kernel and one allocation (zeros and a concatenation were two of each); laid
