@@ -683,6 +683,26 @@ def test_a_repeated_call_skips_the_general_path_and_gives_what_it_gives(monkeypa
     assert len(general) == 5
 
 
+def test_the_short_path_refuses_what_the_general_path_refuses():
+    # A review of the short path: a first batched argument with 0 rows beside others with 5
+    # was taken as a batch of 5 (its size read as "none seen yet"); the batched split and the
+    # loss could be reassigned on the step, and the short path ran the graphs built for the
+    # old ones. Both are refused now: the sizes disagree, and the two attributes are read-only.
+    model = nn.Linear(4, 3)
+    loss = lambda m, ids, x, y: F.cross_entropy(m(x), y)  # ids: batched, not read by the loss
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    ids, x, y = torch.arange(5), torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step(ids, x, y)
+    calls = step.num_calls
+    with pytest.raises(ConfigurationError, match="disagree on the batch size"):
+        step(ids[:0], x, y)
+    assert step.num_calls == calls
+    for name, value in (("batch_argnums", (1, 2)), ("loss_fn", lambda m, ids, x, y: m(x).sum())):
+        with pytest.raises(AttributeError):
+            setattr(step, name, value)
+    assert step.batch_argnums is None and step.loss_fn is loss
+
+
 # ----------------------------------------------------------------------------- aliasing
 class _TwiceRegistered(nn.Module):
     """A submodule registered under two names (``self.b = self.a``) and used twice, plus a

@@ -249,14 +249,14 @@ class DPStep:
         if not callable(loss_fn):
             raise InputTypeError(f"Expected loss_fn to be callable, got {type(loss_fn).__name__}.")
         check_model_supported(model)  # again at every trace: modes can change in between
-        self.loss_fn = loss_fn
+        self._loss_fn = loss_fn
         self.model = model
         self._clipping_norm = check_clipping_norm(clipping_norm)
         if batch_argnums is not None:
             batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in batch_argnums):
                 raise InputTypeError(f"Expected batch_argnums to be non-negative ints, got {batch_argnums!r}.")
-        self.batch_argnums = batch_argnums
+        self._batch_argnums: tuple[int, ...] | None = batch_argnums
         fixed = None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
         if fixed is not None:
             # One graph sums at most MAX_FLOAT32_SUM_ROWS rows (numerical contract): a larger
@@ -281,6 +281,18 @@ class DPStep:
         """C, fixed for the life of the step (read-only: the graph and the reported C must
         never disagree, or noise would be calibrated to the wrong sensitivity)."""
         return self._clipping_norm
+
+    @property
+    def loss_fn(self) -> Callable[..., Any]:
+        """The loss the graphs were traced from (read-only: a cached graph would go on
+        computing the old one)."""
+        return self._loss_fn
+
+    @property
+    def batch_argnums(self) -> tuple[int, ...] | None:
+        """Which positional arguments are batched (None: all of them). Read-only: the graphs
+        and the public-input checks were built for this split."""
+        return self._batch_argnums
 
     @property
     def physical_batch_size(self) -> int | None:
@@ -328,12 +340,12 @@ class DPStep:
         which decides as it always did: this path only skips work whose result it knows."""
         if len(args) != repeat.nargs:
             return None
-        n = 0
+        n = None
         for a, batched in zip(args, repeat.flags):
             if type(a) is not torch.Tensor:
                 return None
             if batched:
-                if a.dim() == 0 or (n and a.shape[0] != n):
+                if a.dim() == 0 or (n is not None and a.shape[0] != n):
                     return None
                 n = a.shape[0]
         if not n or _tensor_parts(args, repeat.batched) != repeat.parts:
