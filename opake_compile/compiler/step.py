@@ -674,7 +674,7 @@ class DPStep:
             state.append((params if is_param else buffers)[name].detach())
         device = state[0].device
         clip = self._constant(("clip", device, self._clipping_norm), lambda: torch.tensor(self.clipping_norm, dtype=torch.float64, device=device))
-        if feed.tensors_only and type(args) is tuple and all(type(a) is torch.Tensor for a in args):
+        if feed.tensors_only and all(type(a) is torch.Tensor for a in args):
             flat = args
         else:
             every = optree.tree_leaves(args, none_is_leaf=True)
@@ -717,10 +717,7 @@ class DPStep:
             grad_was = torch.is_grad_enabled()
             torch._C._set_grad_enabled(False)  # torch.no_grad(), without its Python objects
             try:
-                if compiled.traced.has_randomness:
-                    with self._rng_scope(device):
-                        out = compiled.fn(*state, clip, mask, *leaves, *draws)
-                else:
+                with self._rng_scope(compiled, device):
                     out = compiled.fn(*state, clip, mask, *leaves, *draws)
             finally:
                 torch._C._set_grad_enabled(grad_was)
@@ -775,10 +772,12 @@ class DPStep:
         u = torch.rand(count, generator=_random.generator_from_key(draw), dtype=torch.float32)
         return [u.to(device)]
 
-    def _rng_scope(self, device: torch.device) -> contextlib.AbstractContextManager:
-        """For a graph with random ops (dropout): they draw from a seed derived from the step's
-        key, in a scope that restores the global generator afterwards; each example draws
-        independent randomness (``vmap(randomness="different")``)."""
+    def _rng_scope(self, compiled: _Compiled, device: torch.device) -> contextlib.AbstractContextManager:
+        """Random ops in the loss (dropout) draw from a seed derived from the step's key, in a
+        scope that restores the global generator afterwards; each example draws independent
+        randomness (``vmap(randomness="different")``)."""
+        if not compiled.traced.has_randomness:
+            return contextlib.nullcontext()
         self._key, draw = _random.split(self._key, 2)
         seed = _random.generator_from_key(draw).initial_seed()
 
@@ -953,24 +952,21 @@ class _ModelView:
         stores = _entries(modules)
         members = tuple(chain.from_iterable(map(dict.values, stores)))
         tensors = tuple(params.values())
+        grads, dtypes, shapes = tuple(map(_REQUIRES_GRAD, tensors)), tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors))
         device = tensors[0].device if tensors else None
         return cls(
             model=model,
             params=params,
             buffers=buffers,
             modes=modes,
-            trainable=tuple(k for k, p in params.items() if p.requires_grad),
-            signature=(
-                tuple((n, q.dtype, q.shape) for n, q in params.items()),
-                None if device is None else device.type,
-                modes,
-            ),
+            trainable=tuple(k for k, g in zip(params, grads) if g),
+            signature=(tuple(zip(params, dtypes, shapes)), None if device is None else device.type, modes),
             modules=modules,
             names=tuple(chain.from_iterable(stores)),
             members=members,
             member_ids=tuple(map(id, members)),
             tensors=tensors,
-            meta=(tuple(map(_REQUIRES_GRAD, tensors)), tuple(map(_DTYPE, tensors)), tuple(map(_SHAPE, tensors)), device),
+            meta=(grads, dtypes, shapes, device),
         )
 
     def still_holds(self, model: nn.Module) -> bool:
