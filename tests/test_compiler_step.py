@@ -567,9 +567,10 @@ def _edits():
             super().__init__()
             self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
             self.register_buffer("scale", torch.ones(3))
+            self.gain = 1.0
 
         def forward(self, x):
-            return self.body(x) * self.scale
+            return self.body(x) * self.scale * self.gain
 
     def swap_param(m):
         m.body[0].weight = nn.Parameter(m.body[0].weight.detach() * 2)
@@ -603,6 +604,12 @@ def _edits():
         "drop_bias": drop_bias,
         "new_data": new_data,
         "double": to_double,
+        # The model's Python, which a trace bakes in: a hook, an instance's forward, a class,
+        # a plain attribute the forward reads.
+        "hook": lambda m: m.body[1].register_forward_hook(lambda mod, inp, out: out * 2),
+        "forward": lambda m: setattr(m.body[1], "forward", torch.sigmoid),
+        "class": lambda m: setattr(m.body[1], "__class__", nn.Sigmoid),
+        "attribute": lambda m: setattr(m, "gain", 2.0),
     }
 
 
@@ -647,6 +654,80 @@ def test_a_step_after_an_edit_of_its_model_gives_what_a_new_step_gives(edit):
     assert changed or edit in ("grow", "eval"), "the edit should change the clipped sum"
     if edit == "eval":  # (a Tanh computes the same in both modes, but the mode is part of the graph)
         assert step.num_traces == 2
+
+
+def test_a_program_seen_before_finds_its_graphs_and_an_equal_value_traces_nothing():
+    make, _ = _edits()
+    model = make()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+    first = step(x, y)
+    model.gain = float("1.0")  # another float object, the same constant
+    step(x, y)
+    assert step.num_traces == 1
+    model.gain = 3.0
+    tripled = step(x, y)
+    model.gain = 1.0
+    again = step(x, y)
+    model.gain = 3.0
+    step(x, y)
+    assert step.num_traces == 2  # each program traced once, then found again
+    assert torch.equal(again.loss, first.loss) and not torch.equal(tripled.loss, first.loss)
+    assert torch.equal(again.clipped.per_example_norms, first.clipped.per_example_norms)
+    # A global module hook is part of the program too; removing it finds the old graphs.
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda mod, inp, out: out)
+    try:
+        step(x, y)
+        assert step.num_traces == 3
+    finally:
+        handle.remove()
+    step(x, y)
+    assert step.num_traces == 3
+
+
+def test_a_module_writing_an_attribute_in_its_forward_traces_once(monkeypatch):
+    class Counting(nn.Linear):
+        def forward(self, x):
+            self.calls = getattr(self, "calls", 0) + 1  # a Python side effect, run by the trace only
+            return super().forward(x)
+
+    model = nn.Sequential(Counting(4, 3))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    general = []
+    call = type(step)._call
+    monkeypatch.setattr(type(step), "_call", lambda self, *a: general.append(1) or call(self, *a))
+    for _ in range(4):
+        step(x, y)
+    assert step.num_traces == 1
+    assert len(general) == 2  # the first call, and the one that reads the model the trace left
+
+
+def test_a_model_program_changing_at_every_call_traces_each_and_warns_naming_it():
+    from opake_compile.compiler.step import MAX_MODEL_PROGRAMS
+
+    make, _ = _edits()
+    model = make()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+    for i in range(MAX_MODEL_PROGRAMS):
+        model.gain = 1.0 + i
+        step(x, y)
+    model.gain = 0.5
+    with pytest.warns(RuntimeWarning, match=r"attribute 'gain' of module 'the model' changed \(8\.0 -> 0\.5\)"):
+        got = step(x, y)
+    assert step.num_traces == MAX_MODEL_PROGRAMS + 1
+    want = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)(x, y)
+    assert torch.equal(got.clipped.per_example_norms, want.clipped.per_example_norms)
+    model.body[1].forward = torch.sigmoid
+    with pytest.warns(RuntimeWarning, match=r"attribute 'forward' of module 'body\.1' was added"):
+        step(x, y)
+    model.body[1].register_forward_pre_hook(lambda mod, inp: None)
+    with pytest.warns(RuntimeWarning, match=r"a hook \(_forward_pre_hooks\) was registered or removed on module 'body\.1'"):
+        step(x, y)
 
 
 def test_a_repeated_call_skips_the_general_path_and_gives_what_it_gives(monkeypatch):

@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -44,6 +45,7 @@ from typing import Any
 import optree
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as _torch_module
 
 from opake_compile import random as _random
 from opake_compile._markers import reject_dp_output
@@ -270,6 +272,7 @@ class DPStep:
         self._constants: dict[Any, torch.Tensor] = {}
         self._flat_treedefs: dict[int, Any] = {}  # tuples of n tensors (_signature)
         self._view: _ModelView | None = None  # the last reading of the model (_read_model)
+        self._programs = _Programs()  # the model programs graphs were traced under (_program)
         self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
@@ -389,7 +392,7 @@ class DPStep:
             self._num_calls += 1
             return self._empty_result(params, trainable)
         base = self._signature(args, batched, view)
-        undo, key = self._plan.undo_point(), self._key
+        undo, key, traces = self._plan.undo_point(), self._key, self.num_traces
         try:
             self._plan.set_anchor(n)
             chunks = self._plan.plan(n)
@@ -399,6 +402,12 @@ class DPStep:
             self._plan.undo(undo)  # a batch that cannot be traced or compiled leaves no size behind
             self._key = key  # nor spent draws: a step that raised returned nothing
             raise
+        if self.num_traces != traces:
+            # A module that writes an attribute in its forward wrote it while tracing: what
+            # the trace left behind is the program these graphs were traced under.
+            after = _program(view.modules)
+            if not _same_program(after, view.program):
+                self._programs.alias(after, view.signature[-1])
         self._num_calls += 1
         if all(type(a) is torch.Tensor for a in args):
             self._repeat = _Repeat(
@@ -528,7 +537,7 @@ class DPStep:
         the tree changed since the last call (:class:`_ModelView`)."""
         view = self._view
         if view is None or not view.still_holds(self.model):
-            view = self._view = _ModelView.read(self.model)
+            view = self._view = _ModelView.read(self.model, self._programs)
         return view
 
     def _signature(self, args: tuple, batched: tuple[int, ...], view: _ModelView) -> Any:
@@ -551,12 +560,12 @@ class DPStep:
                         parts.append(("const", leaf))
                     except TypeError:
                         parts.append(("const", repr(leaf)))
-        model_state, device, modes = view.signature  # parameter dtypes and shapes, the model's device
+        model_state, device, modes, program = view.signature  # parameter dtypes and shapes, the model's device
         # The rewrites size float32 rounding bounds (Gram matrices, the mixed path's product) to
         # the matrix-product precision in force when they trace: a graph traced under IEEE
         # float32 must not run once TF32 or bfloat16 passes are allowed (an example's
         # contribution reached 1.007 C that way), so a changed setting traces again.
-        return (treedef, tuple(parts), view.trainable, model_state, device, modes, _num.float32_matmul_is_ieee())
+        return (treedef, tuple(parts), view.trainable, model_state, device, modes, program, _num.float32_matmul_is_ieee())
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
@@ -919,6 +928,129 @@ def _entries(modules: tuple[nn.Module, ...]) -> tuple[Any, ...]:
     return tuple(chain.from_iterable(map(get, modules) for get in _STORES))
 
 
+_VARS = operator.attrgetter("__dict__")
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+# The most model programs (_program) one step traces under before each further one warns.
+MAX_MODEL_PROGRAMS = 8
+
+
+def _program(modules: tuple[nn.Module, ...]) -> tuple:
+    """What of the model's Python a trace bakes into its graph beside the tensors the
+    fingerprint of :class:`_ModelView` follows: each module's class; a copy of its instance
+    attributes (a ``forward`` set on the instance, a float scale, a flag, a dropout
+    probability), with copies of its forward and backward hook dicts in place of the dicts;
+    and the global module hooks. Compare two with :func:`_same_program`, a reading with the
+    model as it is now with :func:`_program_holds`."""
+    return tuple(map(type, modules)), tuple(map(_attributes, modules)), _global_hooks()
+
+
+def _attributes(module: nn.Module) -> dict[str, Any]:
+    attrs = module.__dict__.copy()
+    for name in _HOOK_DICTS:
+        hooks = attrs.get(name)
+        if hooks is not None:
+            attrs[name] = hooks.copy()  # registering a hook changes the dict in place
+    return attrs
+
+
+def _global_hooks() -> tuple:
+    m = _torch_module  # (its hook dicts change in place; the flag is rebound)
+    return (
+        tuple(m._global_forward_pre_hooks),
+        tuple(m._global_forward_hooks),
+        tuple(m._global_backward_pre_hooks),
+        tuple(m._global_backward_hooks),
+        m._global_is_full_backward_hook,
+    )
+
+
+def _same_program(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`_program` readings are equal: the same objects, or equal values (a
+    rebound ``2.0`` is the same constant). Values that cannot say (two different tensors, an
+    array) count as different: a graph would hold the old one."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - any comparison that cannot answer means "not the same"
+        return False
+
+
+def _program_holds(modules: tuple[nn.Module, ...], program: tuple) -> bool:
+    """Whether :func:`_program` of ``modules`` now would equal ``program``, without copying:
+    each live ``__dict__`` compared with its copy (C-level passes, no Python loop)."""
+    types, attrs, global_hooks = program
+    try:
+        return (
+            tuple(map(type, modules)) == types
+            and all(map(operator.eq, map(_VARS, modules), attrs))
+            and _global_hooks() == global_hooks
+        )
+    except Exception:  # noqa: BLE001 - as in _same_program
+        return False
+
+
+def _program_difference(model: nn.Module, old: tuple, new: tuple) -> str:
+    """A phrase naming the first difference between two :func:`_program` readings of ``model``."""
+    names = [name or "the model" for name, _ in model.named_modules()]  # _walk's order
+    old_types, old_attrs, old_global = old
+    new_types, new_attrs, new_global = new
+    if len(old_types) != len(new_types) or len(names) != len(new_types):
+        return "its module tree changed"
+    for name, a, b in zip(names, old_types, new_types):
+        if a is not b:
+            return f"module {name!r} changed class from {a.__name__} to {b.__name__}"
+    for name, a, b in zip(names, old_attrs, new_attrs):
+        for attr in list(b) + [k for k in a if k not in b]:
+            if attr not in a or attr not in b:
+                return f"attribute {attr!r} of module {name!r} was {'added' if attr in b else 'deleted'}"
+            if not _same_program(a[attr], b[attr]):
+                if attr in _HOOK_DICTS:
+                    return f"a hook ({attr}) was registered or removed on module {name!r}"
+                return f"attribute {attr!r} of module {name!r} changed ({_short(a[attr])} -> {_short(b[attr])})"
+    if old_global != new_global:
+        return "a global module hook (torch.nn.modules.module.register_module_*_hook) was registered or removed"
+    return "its Python state changed"
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if isinstance(value, (bool, int, float, str, type(None))) else f"a {type(value).__name__}"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Programs:
+    """The model programs (:func:`_program`) a step has traced under, numbered: the number is
+    part of the graph signature, so that a graph traced under one program never runs under
+    another, and a program seen before finds its graphs again. A program that a trace itself
+    left behind (a module writing an attribute in its ``forward``) is given the number of the
+    program it was traced under (:meth:`alias`), or every call would trace again."""
+
+    def __init__(self) -> None:
+        self._seen: list[tuple[tuple, int]] = []
+        self.count = 0
+
+    def number(self, program: tuple, model: nn.Module) -> int:
+        for seen, number in reversed(self._seen):
+            if _same_program(seen, program):
+                return number
+        if self.count >= MAX_MODEL_PROGRAMS:
+            warnings.warn(
+                f"The model's Python state changed again between calls of this DP step "
+                f"({_program_difference(model, self._seen[-1][0], program)}): program {self.count + 1}, "
+                f"each traced and compiled anew, since a graph bakes in the classes, hooks and "
+                f"attribute values its trace saw. Keep values that change every step out of the "
+                f"model's modules (pass them as arguments of the loss), or set the model up before "
+                f"the first call.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self._seen.append((program, self.count))
+        self.count += 1
+        return self.count - 1
+
+    def alias(self, program: tuple, number: int) -> None:
+        if not any(_same_program(seen, program) for seen, _ in self._seen):
+            self._seen.append((program, number))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ModelView:
     """One reading of the model (:func:`_walk`) and what a call derives from it, with the
@@ -926,10 +1058,12 @@ class _ModelView:
     give the same: every module's mode, the names and identities of every entry of its
     parameter, buffer and child dicts, and each listed parameter's ``requires_grad``, dtype
     and shape (``.to()`` and ``.half()`` change a parameter in place), and the device of the
-    first one (the signature's model device). A parameter, buffer or module replaced, added,
-    removed or frozen, or a mode switched, fails :meth:`still_holds`; so does another model
-    set on the step. The view holds the entries it read, so that their ids cannot be reused
-    by new objects while it is kept (a replaced module stays alive until the next call).
+    first one (the signature's model device); and the model's :func:`_program` (classes,
+    instance attributes, hooks). A parameter, buffer or module replaced, added, removed or
+    frozen, a mode switched, a hook registered or an attribute rebound fails
+    :meth:`still_holds`; so does another model set on the step. The view holds the entries it
+    read, so that their ids cannot be reused by new objects while it is kept (a replaced
+    module stays alive until the next call).
     """
 
     model: nn.Module
@@ -937,17 +1071,21 @@ class _ModelView:
     buffers: dict[str, torch.Tensor]
     modes: tuple[bool, ...]
     trainable: tuple[str, ...]
-    signature: tuple  # the model's part of DPStep._signature: (parameter meta, device, modes)
+    signature: tuple  # the model's part of DPStep._signature: (parameter meta, device, modes, program number)
     modules: tuple[nn.Module, ...]
     names: tuple[str, ...]
     members: tuple[Any, ...]
     member_ids: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
     meta: tuple[tuple[bool, ...], tuple[torch.dtype, ...], tuple[torch.Size, ...], Any]
+    program: tuple
 
     @classmethod
-    def read(cls, model: nn.Module) -> "_ModelView":
+    def read(cls, model: nn.Module, programs: _Programs | None = None) -> "_ModelView":
+        """Walk ``model``; ``programs`` numbers its :func:`_program` (0 without it)."""
         params, buffers, modules = _walk(model)
+        program = _program(modules)
+        number = 0 if programs is None else programs.number(program, model)
         modes = tuple(map(_TRAINING, modules))
         stores = _entries(modules)
         members = tuple(chain.from_iterable(map(dict.values, stores)))
@@ -960,13 +1098,14 @@ class _ModelView:
             buffers=buffers,
             modes=modes,
             trainable=tuple(k for k, g in zip(params, grads) if g),
-            signature=(tuple(zip(params, dtypes, shapes)), None if device is None else device.type, modes),
+            signature=(tuple(zip(params, dtypes, shapes)), None if device is None else device.type, modes, number),
             modules=modules,
             names=tuple(chain.from_iterable(stores)),
             members=members,
             member_ids=tuple(map(id, members)),
             tensors=tensors,
             meta=(grads, dtypes, shapes, device),
+            program=program,
         )
 
     def still_holds(self, model: nn.Module) -> bool:
@@ -989,6 +1128,7 @@ class _ModelView:
             and tuple(map(_DTYPE, tensors)) == dtypes
             and tuple(map(_SHAPE, tensors)) == shapes
             and (not tensors or tensors[0].device == device)
+            and _program_holds(modules, self.program)
         )
 
 
@@ -1041,6 +1181,15 @@ def compile_dp(
     P). By default the chunk sizes are buckets, compiled lazily, with padding under 5 % of the
     work (a batch of the first batch's size never pads) and at most ``max_physical_sizes``
     graphs (see :meth:`DPStep.plan`).
+
+    Each call reads the model as it is then: which parameters train, their dtypes, shapes and
+    device, the modules' modes, and the Python a trace bakes in (each module's class, its
+    forward and backward hooks, the global module hooks, and its instance attributes: a
+    ``forward`` set on an instance, a scale or flag its forward reads). Any change traces
+    again; a state seen before finds its graphs again; past ``MAX_MODEL_PROGRAMS`` (8) such
+    Python states each new one warns (``RuntimeWarning``, naming what changed). What lies
+    outside the modules, the loss's closure or an object changed in place, is read once, when
+    a graph is traced.
 
     Args:
         loss_fn: the batch loss. Omit it to use ``compile_dp`` as a decorator.
