@@ -730,6 +730,69 @@ def test_a_model_program_changing_at_every_call_traces_each_and_warns_naming_it(
         step(x, y)
 
 
+_SMOOTHING = 0.0  # a global the loss below reads (the next test rebinds it)
+
+
+def _smoothed_loss(m, x, y):
+    return F.cross_entropy(m(x), y, label_smoothing=_SMOOTHING)
+
+
+def test_the_loss_functions_globals_closure_and_partial_arguments_are_part_of_the_program(monkeypatch):
+    import functools
+    import sys
+
+    from opake_compile.compiler.step import MAX_MODEL_PROGRAMS
+
+    here = sys.modules[__name__]
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+
+    def fresh(loss):
+        return compile_dp(loss, model=model, clipping_norm=0.5, backend=None)(x, y)
+
+    def scaled(t):
+        def loss(m, x, y):
+            return F.cross_entropy(m(x) * t, y)
+
+        def set_t(v):
+            nonlocal t
+            t = v
+
+        return loss, set_t
+
+    closure_loss, set_t = scaled(1.0)
+    partial_loss = functools.partial(lambda m, x, y, w: F.cross_entropy(m(x) * w, y), w=1.0)
+    cases = [
+        (_smoothed_loss, lambda v: monkeypatch.setattr(here, "_SMOOTHING", v), (0.0, 0.4)),
+        (closure_loss, set_t, (1.0, 3.0)),
+        (partial_loss, lambda v: partial_loss.keywords.__setitem__("w", v), (1.0, 3.0)),
+    ]
+    for loss, set_value, (a, b) in cases:
+        step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+        first = step(x, y)
+        set_value(b)
+        got = step(x, y)
+        assert step.num_traces == 2 and not torch.equal(got.loss, first.loss)
+        want = fresh(loss)
+        assert torch.equal(got.loss, want.loss)
+        assert torch.equal(got.clipped.per_example_norms, want.clipped.per_example_norms)
+        set_value(a)
+        assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 2  # found again
+    # An attribute name is not a global: a global of that name changing traces nothing.
+    step = compile_dp(_smoothed_loss, model=model, clipping_norm=0.5, backend=None)
+    step(x, y)
+    monkeypatch.setattr(here, "cross_entropy", object(), raising=False)
+    step(x, y)
+    assert step.num_traces == 1
+    for i in range(MAX_MODEL_PROGRAMS - 1):
+        monkeypatch.setattr(here, "_SMOOTHING", 0.1 * (i + 1))
+        step(x, y)
+    monkeypatch.setattr(here, "_SMOOTHING", 0.75)
+    with pytest.warns(RuntimeWarning, match=r"global '_SMOOTHING' of the loss '_smoothed_loss' changed \(0\.7000000000000001 -> 0\.75\)"):
+        step(x, y)
+    assert step.num_traces == MAX_MODEL_PROGRAMS + 1
+
+
 def test_a_repeated_call_skips_the_general_path_and_gives_what_it_gives(monkeypatch):
     # The general path runs for the first call of each kind; a call like an earlier one (same
     # tensor parts, model reading, planned size, built graphs) takes the short path and gives

@@ -35,11 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
+import functools
 import math
 import operator
+import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import optree
@@ -272,7 +275,7 @@ class DPStep:
         self._constants: dict[Any, torch.Tensor] = {}
         self._flat_treedefs: dict[int, Any] = {}  # tuples of n tensors (_signature)
         self._view: _ModelView | None = None  # the last reading of the model (_read_model)
-        self._programs = _Programs()  # the model programs graphs were traced under (_program)
+        self._programs = _Programs(_LossReader(loss_fn))  # the programs graphs were traced under (_program)
         self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
@@ -405,7 +408,7 @@ class DPStep:
         if self.num_traces != traces:
             # A module that writes an attribute in its forward wrote it while tracing: what
             # the trace left behind is the program these graphs were traced under.
-            after = _program(view.modules)
+            after = _program(view.modules, self._programs.loss)
             if not _same_program(after, view.program):
                 self._programs.alias(after, view.signature[-1])
         self._num_calls += 1
@@ -536,7 +539,7 @@ class DPStep:
         """The model's parameters, buffers, modes and trainable names, read again only when
         the tree changed since the last call (:class:`_ModelView`)."""
         view = self._view
-        if view is None or not view.still_holds(self.model):
+        if view is None or not view.still_holds(self.model, self._programs.loss):
             view = self._view = _ModelView.read(self.model, self._programs)
         return view
 
@@ -934,14 +937,84 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 MAX_MODEL_PROGRAMS = 8
 
 
-def _program(modules: tuple[nn.Module, ...]) -> tuple:
-    """What of the model's Python a trace bakes into its graph beside the tensors the
-    fingerprint of :class:`_ModelView` follows: each module's class; a copy of its instance
-    attributes (a ``forward`` set on the instance, a float scale, a flag, a dropout
+_NO_VALUE = object()  # an empty closure cell, a global not (yet) defined
+
+
+class _LossReader:
+    """Reads what of the loss function's Python a trace bakes in, beside the model: for a
+    plain function (or a method, or a ``functools.partial`` of one), its code, defaults, the
+    values of its closure cells and of the module globals its code loads (``LOAD_GLOBAL``:
+    not attribute names, so that ``out.loss`` does not follow a global ``loss``), and a
+    partial's arguments. Functions it calls are not followed, nor a method's object or a
+    callable object's attributes (a trainer's counters change every step)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.partials: list[functools.partial] = []
+        while isinstance(fn, functools.partial):
+            self.partials.append(fn)
+            fn = fn.func
+        fn = getattr(fn, "__func__", fn)  # a bound method: its function
+        self.fn = fn if isinstance(fn, types.FunctionType) else None
+        self._code: Any = None
+        self.globals: tuple[str, ...] = ()
+
+    def read(self) -> tuple:
+        fn = self.fn
+        parts: tuple = tuple((p.args, dict(p.keywords)) for p in self.partials)
+        if fn is None:
+            return parts
+        code = fn.__code__
+        if code is not self._code:  # (the code object can be rebound)
+            self._code = code
+            self.globals = tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"))
+        return parts + (
+            code,
+            fn.__defaults__,
+            None if fn.__kwdefaults__ is None else dict(fn.__kwdefaults__),
+            tuple(map(_cell_value, fn.__closure__ or ())),
+            tuple(map(fn.__globals__.get, self.globals, repeat(_NO_VALUE))),
+        )
+
+    def difference(self, old: tuple, new: tuple) -> str:
+        """A phrase naming the first difference between two readings."""
+        k = len(self.partials)
+        for i, (a, b) in enumerate(zip(old[:k], new[:k])):
+            if not _same_program(a, b):
+                return f"the arguments of the loss's functools.partial (layer {i}) changed"
+        if self.fn is None or len(old) != len(new):
+            return "the loss function changed"
+        name = getattr(self.fn, "__qualname__", "loss")
+        code, defaults, kwdefaults, cells, names = old[k:]
+        if not (_same_program(code, new[k]) and _same_program(defaults, new[k + 1]) and _same_program(kwdefaults, new[k + 2])):
+            return f"the code or default arguments of the loss {name!r} changed"
+        for var, a, b in chain(zip(code.co_freevars, cells, new[k + 3]), zip(self.globals, names, new[k + 4])):
+            if not _same_program(a, b):
+                kind = "closure variable" if var in code.co_freevars else "global"
+                return f"{kind} {var!r} of the loss {name!r} changed ({_short(a)} -> {_short(b)})"
+        return f"the loss {name!r} changed"
+
+
+def _cell_value(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _NO_VALUE
+
+
+def _program(modules: tuple[nn.Module, ...], loss: _LossReader | None = None) -> tuple:
+    """What of the model's and the loss's Python a trace bakes into its graph beside the
+    tensors the fingerprint of :class:`_ModelView` follows: each module's class; a copy of its
+    instance attributes (a ``forward`` set on the instance, a float scale, a flag, a dropout
     probability), with copies of its forward and backward hook dicts in place of the dicts;
-    and the global module hooks. Compare two with :func:`_same_program`, a reading with the
-    model as it is now with :func:`_program_holds`."""
-    return tuple(map(type, modules)), tuple(map(_attributes, modules)), _global_hooks()
+    the global module hooks; and the loss function's reading (:class:`_LossReader`). Compare
+    two with :func:`_same_program`, a reading with the model as it is now with
+    :func:`_program_holds`."""
+    return (
+        tuple(map(type, modules)),
+        tuple(map(_attributes, modules)),
+        _global_hooks(),
+        () if loss is None else loss.read(),
+    )
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
@@ -974,25 +1047,29 @@ def _same_program(a: tuple, b: tuple) -> bool:
         return False
 
 
-def _program_holds(modules: tuple[nn.Module, ...], program: tuple) -> bool:
-    """Whether :func:`_program` of ``modules`` now would equal ``program``, without copying:
-    each live ``__dict__`` compared with its copy (C-level passes, no Python loop)."""
-    types, attrs, global_hooks = program
+def _program_holds(modules: tuple[nn.Module, ...], program: tuple, loss: _LossReader | None = None) -> bool:
+    """Whether :func:`_program` of ``modules`` and ``loss`` now would equal ``program``,
+    without copying: each live ``__dict__`` compared with its copy (C-level passes)."""
+    types_, attrs, global_hooks, loss_reading = program
     try:
         return (
-            tuple(map(type, modules)) == types
+            tuple(map(type, modules)) == types_
             and all(map(operator.eq, map(_VARS, modules), attrs))
             and _global_hooks() == global_hooks
+            and (() if loss is None else loss.read()) == loss_reading
         )
     except Exception:  # noqa: BLE001 - as in _same_program
         return False
 
 
-def _program_difference(model: nn.Module, old: tuple, new: tuple) -> str:
-    """A phrase naming the first difference between two :func:`_program` readings of ``model``."""
+def _program_difference(model: nn.Module, old: tuple, new: tuple, loss: _LossReader | None = None) -> str:
+    """A phrase naming the first difference between two :func:`_program` readings of ``model``
+    (and of the loss ``loss`` reads)."""
     names = [name or "the model" for name, _ in model.named_modules()]  # _walk's order
-    old_types, old_attrs, old_global = old
-    new_types, new_attrs, new_global = new
+    old_types, old_attrs, old_global, old_loss = old
+    new_types, new_attrs, new_global, new_loss = new
+    if loss is not None and not _same_program(old_loss, new_loss):
+        return loss.difference(old_loss, new_loss)
     if len(old_types) != len(new_types) or len(names) != len(new_types):
         return "its module tree changed"
     for name, a, b in zip(names, old_types, new_types):
@@ -1017,13 +1094,15 @@ def _short(value: Any) -> str:
 
 
 class _Programs:
-    """The model programs (:func:`_program`) a step has traced under, numbered: the number is
+    """The programs (:func:`_program`: the model's and the loss's Python) a step has traced
+    under, numbered: the number is
     part of the graph signature, so that a graph traced under one program never runs under
     another, and a program seen before finds its graphs again. A program that a trace itself
     left behind (a module writing an attribute in its ``forward``) is given the number of the
     program it was traced under (:meth:`alias`), or every call would trace again."""
 
-    def __init__(self) -> None:
+    def __init__(self, loss: _LossReader | None = None) -> None:
+        self.loss = loss
         self._seen: list[tuple[tuple, int]] = []
         self.count = 0
 
@@ -1033,11 +1112,11 @@ class _Programs:
                 return number
         if self.count >= MAX_MODEL_PROGRAMS:
             warnings.warn(
-                f"The model's Python state changed again between calls of this DP step "
-                f"({_program_difference(model, self._seen[-1][0], program)}): program {self.count + 1}, "
+                f"The model's or the loss's Python changed again between calls of this DP step "
+                f"({_program_difference(model, self._seen[-1][0], program, self.loss)}): program {self.count + 1}, "
                 f"each traced and compiled anew, since a graph bakes in the classes, hooks and "
-                f"attribute values its trace saw. Keep values that change every step out of the "
-                f"model's modules (pass them as arguments of the loss), or set the model up before "
+                f"Python values its trace saw. Pass values that change every step as arguments of "
+                f"the loss (tensors, or constants of a public schedule), or set the model up before "
                 f"the first call.",
                 RuntimeWarning,
                 stacklevel=4,
@@ -1084,7 +1163,7 @@ class _ModelView:
     def read(cls, model: nn.Module, programs: _Programs | None = None) -> "_ModelView":
         """Walk ``model``; ``programs`` numbers its :func:`_program` (0 without it)."""
         params, buffers, modules = _walk(model)
-        program = _program(modules)
+        program = _program(modules, None if programs is None else programs.loss)
         number = 0 if programs is None else programs.number(program, model)
         modes = tuple(map(_TRAINING, modules))
         stores = _entries(modules)
@@ -1108,7 +1187,7 @@ class _ModelView:
             program=program,
         )
 
-    def still_holds(self, model: nn.Module) -> bool:
+    def still_holds(self, model: nn.Module, loss: _LossReader | None = None) -> bool:
         """Whether :meth:`read` of ``model`` now would give this view (C-level passes over
         the tree's dicts, no Python loop)."""
         if model is not self.model:
@@ -1128,7 +1207,7 @@ class _ModelView:
             and tuple(map(_DTYPE, tensors)) == dtypes
             and tuple(map(_SHAPE, tensors)) == shapes
             and (not tensors or tensors[0].device == device)
-            and _program_holds(modules, self.program)
+            and _program_holds(modules, self.program, loss)
         )
 
 
@@ -1183,13 +1262,15 @@ def compile_dp(
     graphs (see :meth:`DPStep.plan`).
 
     Each call reads the model as it is then: which parameters train, their dtypes, shapes and
-    device, the modules' modes, and the Python a trace bakes in (each module's class, its
-    forward and backward hooks, the global module hooks, and its instance attributes: a
-    ``forward`` set on an instance, a scale or flag its forward reads). Any change traces
-    again; a state seen before finds its graphs again; past ``MAX_MODEL_PROGRAMS`` (8) such
-    Python states each new one warns (``RuntimeWarning``, naming what changed). What lies
-    outside the modules, the loss's closure or an object changed in place, is read once, when
-    a graph is traced.
+    device, the modules' modes, and the Python a trace bakes in: each module's class, its
+    forward and backward hooks, the global module hooks and its instance attributes (a
+    ``forward`` set on an instance, a scale or flag its forward reads); and the loss
+    function's code, default arguments, closure variables and the module globals its code
+    names (through ``functools.partial`` and bound methods). Any change traces again; a state
+    seen before finds its graphs again; past ``MAX_MODEL_PROGRAMS`` (8) such states each new
+    one warns (``RuntimeWarning``, naming what changed). What the functions the loss calls
+    read, and objects changed in place (a list, a config), are read once, when a graph is
+    traced.
 
     Args:
         loss_fn: the batch loss. Omit it to use ``compile_dp`` as a decorator.
