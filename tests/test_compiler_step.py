@@ -568,9 +568,10 @@ def _edits():
             self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
             self.register_buffer("scale", torch.ones(3))
             self.gain = 1.0
+            self.factors = {"out": 1.0}  # as PEFT keeps its LoRA scaling
 
         def forward(self, x):
-            return self.body(x) * self.scale * self.gain
+            return self.body(x) * self.scale * self.gain * self.factors["out"]
 
     def swap_param(m):
         m.body[0].weight = nn.Parameter(m.body[0].weight.detach() * 2)
@@ -610,6 +611,7 @@ def _edits():
         "forward": lambda m: setattr(m.body[1], "forward", torch.sigmoid),
         "class": lambda m: setattr(m.body[1], "__class__", nn.Sigmoid),
         "attribute": lambda m: setattr(m, "gain", 2.0),
+        "dict_in_place": lambda m: m.factors.__setitem__("out", 2.0),
     }
 
 
@@ -654,6 +656,8 @@ def test_a_step_after_an_edit_of_its_model_gives_what_a_new_step_gives(edit):
     assert changed or edit in ("grow", "eval"), "the edit should change the clipped sum"
     if edit == "eval":  # (a Tanh computes the same in both modes, but the mode is part of the graph)
         assert step.num_traces == 2
+    if edit in ("swap_param", "swap_module", "swap_buffer", "new_data"):
+        assert step.num_traces == 1  # tensors of the same shapes: the graph takes them as inputs
 
 
 def test_a_program_seen_before_finds_its_graphs_and_an_equal_value_traces_nothing():
@@ -703,6 +707,35 @@ def test_a_module_writing_an_attribute_in_its_forward_traces_once(monkeypatch):
         step(x, y)
     assert step.num_traces == 1
     assert len(general) == 2  # the first call, and the one that reads the model the trace left
+
+
+def test_an_rnn_run_eagerly_between_steps_traces_once():
+    # An RNN rebinds caches of its parameters (_flat_weights, weak references) at an eager
+    # forward on other tensors than its last (after a trace, or under functional_call): derived
+    # from the parameters the walk follows, they do not make a new program, or evaluations
+    # between steps would trace again (4 traces here when they did).
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru = nn.GRU(3, 4, batch_first=True)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(self.gru(x)[0][:, -1])
+
+    model = Net()
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(5, 6, 3), torch.randint(0, 2, (5,))
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    for _ in range(3):
+        step(x, y)
+        model.eval()
+        with torch.no_grad():
+            model(x)
+            torch.func.functional_call(model, {k: p.clone() for k, p in model.named_parameters()}, (x,))
+        model.train()
+    step(x, y)
+    assert step.num_traces == 1
 
 
 def test_a_model_program_changing_at_every_call_traces_each_and_warns_naming_it():

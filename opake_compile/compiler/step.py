@@ -37,12 +37,14 @@ import contextlib
 import dataclasses
 import dis
 import functools
+import itertools
 import math
 import operator
 import types
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import chain
 from typing import Any
 
 import optree
@@ -933,6 +935,11 @@ def _entries(modules: tuple[nn.Module, ...]) -> tuple[Any, ...]:
 
 _VARS = operator.attrgetter("__dict__")
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_CONTAINERS = (dict, OrderedDict, list)  # attribute values copied one level deep by _program
+# Followed otherwise (see _program_key): the tree's dicts and modes (_ModelView), and the
+# caches of its own parameters an RNN rebinds at each eager forward (a list of weak
+# references, which compare by their tensors' elementwise == and so never equal a new one).
+_FOLLOWED = frozenset({"_parameters", "_buffers", "_modules", "training", "_flat_weights", "_flat_weight_refs"})
 # The most model programs (_program) one step traces under before each further one warns.
 MAX_MODEL_PROGRAMS = 8
 
@@ -972,7 +979,7 @@ class _LossReader:
             fn.__defaults__,
             None if fn.__kwdefaults__ is None else dict(fn.__kwdefaults__),
             tuple(map(_cell_value, fn.__closure__ or ())),
-            tuple(map(fn.__globals__.get, self.globals, repeat(_NO_VALUE))),
+            tuple(map(fn.__globals__.get, self.globals, itertools.repeat(_NO_VALUE))),
         )
 
     def difference(self, old: tuple, new: tuple) -> str:
@@ -1019,11 +1026,20 @@ def _program(modules: tuple[nn.Module, ...], loss: _LossReader | None = None) ->
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
     attrs = module.__dict__.copy()
-    for name in _HOOK_DICTS:
-        hooks = attrs.get(name)
-        if hooks is not None:
-            attrs[name] = hooks.copy()  # registering a hook changes the dict in place
+    for name, value in attrs.items():
+        if type(value) in _CONTAINERS and name not in _FOLLOWED:
+            attrs[name] = value.copy()  # changed in place: hook dicts, PEFT's scaling dict
     return attrs
+
+
+def _program_key(program: tuple) -> tuple:
+    """The part of a :func:`_program` reading that numbers graphs (:class:`_Programs`): without
+    the entries the signature follows otherwise (parameters, buffers and children through the
+    parameter meta and the walk, modes), so that a swapped parameter or module of the same
+    shape, or a mode switched back, finds its graphs rather than tracing again."""
+    types_, attrs, global_hooks, loss_reading = program
+    kept = tuple({k: v for k, v in a.items() if k not in _FOLLOWED} for a in attrs)
+    return types_, kept, global_hooks, loss_reading
 
 
 def _global_hooks() -> tuple:
@@ -1107,6 +1123,7 @@ class _Programs:
         self.count = 0
 
     def number(self, program: tuple, model: nn.Module) -> int:
+        program = _program_key(program)
         for seen, number in reversed(self._seen):
             if _same_program(seen, program):
                 return number
@@ -1126,6 +1143,7 @@ class _Programs:
         return self.count - 1
 
     def alias(self, program: tuple, number: int) -> None:
+        program = _program_key(program)
         if not any(_same_program(seen, program) for seen, _ in self._seen):
             self._seen.append((program, number))
 
