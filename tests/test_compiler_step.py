@@ -8,7 +8,9 @@ Oracles: a Python loop over examples at batch size one (``loop_reference``) and 
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import pytest
 import torch
@@ -660,12 +662,17 @@ def test_a_step_after_an_edit_of_its_model_gives_what_a_new_step_gives(edit):
         assert step.num_traces == 1  # tensors of the same shapes: the graph takes them as inputs
 
 
-def test_a_program_seen_before_finds_its_graphs_and_an_equal_value_traces_nothing():
+def _edited_model_step():
+    """The model of :func:`_edits`, a loss, a batch and a step on them (no lowering)."""
     make, _ = _edits()
     model = make()
     loss = lambda m, x, y: F.cross_entropy(m(x), y)
     x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
-    step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+    return model, loss, x, y, compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+
+
+def test_a_program_seen_before_finds_its_graphs_and_an_equal_value_traces_nothing():
+    model, loss, x, y, step = _edited_model_step()
     first = step(x, y)
     model.gain = float("1.0")  # another float object, the same constant
     step(x, y)
@@ -690,23 +697,47 @@ def test_a_program_seen_before_finds_its_graphs_and_an_equal_value_traces_nothin
     assert step.num_traces == 3
 
 
-def test_a_module_writing_an_attribute_in_its_forward_traces_once(monkeypatch):
-    class Counting(nn.Linear):
-        def forward(self, x):
-            self.calls = getattr(self, "calls", 0) + 1  # a Python side effect, run by the trace only
-            return super().forward(x)
+class _Counting(nn.Linear):
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1  # a Python side effect, run by each trace
+        return super().forward(x)
 
-    model = nn.Sequential(Counting(4, 3))
+
+class _WarmUp(nn.Linear):
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.warm = True
+
+    def forward(self, x):
+        out = super().forward(x) * (0.1 if self.warm else 1.0)
+        self.warm = False  # read first, then written: the next call computes another function
+        return out
+
+
+def _old_weight_norm(*a):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (deprecated in favour of parametrizations.weight_norm)
+        return torch.nn.utils.weight_norm(nn.Linear(*a))  # a pre-hook rebinds .weight at each forward
+
+
+@pytest.mark.parametrize("layer", [_Counting, _WarmUp, _old_weight_norm], ids=["counter", "warm_up", "old_weight_norm"])
+def test_a_module_writing_an_attribute_in_its_forward_traces_at_most_twice(layer):
+    # A trace runs the forward once: what it wrote is traced again once (a flag read before it
+    # is written changes the function); written again by that trace, it is the forward's own
+    # and leaves the numbering, so that neither calls nor eager forwards between them retrace.
+    model = nn.Sequential(layer(4, 3))
     loss = lambda m, x, y: F.cross_entropy(m(x), y)
     x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
     step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
-    general = []
-    call = type(step)._call
-    monkeypatch.setattr(type(step), "_call", lambda self, *a: general.append(1) or call(self, *a))
-    for _ in range(4):
-        step(x, y)
-    assert step.num_traces == 1
-    assert len(general) == 2  # the first call, and the one that reads the model the trace left
+    for i in range(5):
+        got = step(x, y)
+        if i == 1:
+            # The second call computes what a new step computes on the model as it is now.
+            want = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)(x, y)
+            assert torch.equal(got.loss, want.loss)
+        with torch.no_grad():
+            model(x)  # an eager forward between steps
+    assert step.num_traces == 2
 
 
 def test_an_rnn_run_eagerly_between_steps_traces_once():
@@ -741,11 +772,7 @@ def test_an_rnn_run_eagerly_between_steps_traces_once():
 def test_a_model_program_changing_at_every_call_traces_each_and_warns_naming_it():
     from opake_compile.compiler.step import MAX_MODEL_PROGRAMS
 
-    make, _ = _edits()
-    model = make()
-    loss = lambda m, x, y: F.cross_entropy(m(x), y)
-    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
-    step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+    model, loss, x, y, step = _edited_model_step()
     for i in range(MAX_MODEL_PROGRAMS):
         model.gain = 1.0 + i
         step(x, y)
@@ -824,6 +851,63 @@ def test_the_loss_functions_globals_closure_and_partial_arguments_are_part_of_th
     with pytest.warns(RuntimeWarning, match=r"global '_SMOOTHING' of the loss '_smoothed_loss' changed \(0\.7000000000000001 -> 0\.75\)"):
         step(x, y)
     assert step.num_traces == MAX_MODEL_PROGRAMS + 1
+
+
+class _ClassScaled(nn.Module):
+    scale = 1.0  # a class attribute its forward reads
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x) * type(self).scale
+
+
+def _nested_global_loss(m, x, y):
+    return sum(_SMOOTHING + F.cross_entropy(o, y) for o in [m(x)])  # a global read in nested code
+
+
+@functools.wraps(_smoothed_loss)
+def _decorated_loss(m, x, y):
+    return _smoothed_loss(m, x, y)
+
+
+def test_class_attributes_nested_code_and_wrapped_losses_are_part_of_the_program(monkeypatch):
+    import sys
+
+    here = sys.modules[__name__]
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    cases = [
+        (_ClassScaled(), _smoothed_loss, lambda: monkeypatch.setattr(_ClassScaled, "scale", 3.0)),
+        (_ClassScaled(), _smoothed_loss, lambda: monkeypatch.setattr(_ClassScaled, "forward", lambda self, x: self.fc(x) * 2)),
+        (nn.Linear(4, 3), _nested_global_loss, lambda: monkeypatch.setattr(here, "_SMOOTHING", 0.5)),
+        (nn.Linear(4, 3), _decorated_loss, lambda: monkeypatch.setattr(here, "_SMOOTHING", 0.5)),
+    ]
+    for model, loss, change in cases:
+        step = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)
+        first = step(x, y)
+        change()
+        got = step(x, y)
+        want = compile_dp(loss, model=model, clipping_norm=0.5, backend=None)(x, y)
+        assert step.num_traces == 2 and not torch.equal(got.loss, first.loss)
+        assert torch.equal(got.loss, want.loss)
+        monkeypatch.undo()
+        assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 2
+
+
+def test_a_hook_registered_and_removed_around_each_step_traces_once():
+    model = nn.Sequential(nn.Linear(4, 3))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    seen = []
+    for _ in range(4):
+        handle = model[0].register_forward_hook(lambda mod, inp, out: seen.append(1))  # a new lambda each step
+        step(x, y)
+        handle.remove()
+    step(x, y)
+    assert step.num_traces == 2  # with the hook (found again at each step), and without
 
 
 def test_a_repeated_call_skips_the_general_path_and_gives_what_it_gives(monkeypatch):

@@ -43,7 +43,7 @@ import operator
 import types
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -408,11 +408,8 @@ class DPStep:
             self._key = key  # nor spent draws: a step that raised returned nothing
             raise
         if self.num_traces != traces:
-            # A module that writes an attribute in its forward wrote it while tracing: what
-            # the trace left behind is the program these graphs were traced under.
-            after = _program(view.modules, self._programs.loss)
-            if not _same_program(after, view.program):
-                self._programs.alias(after, view.signature[-1])
+            # A module that writes an attribute in its forward wrote it while tracing.
+            self._programs.left_by_trace(view.program, _program(view.modules, self._programs.loss))
         self._num_calls += 1
         if all(type(a) is torch.Tensor for a in args):
             self._repeat = _Repeat(
@@ -934,52 +931,67 @@ def _entries(modules: tuple[nn.Module, ...]) -> tuple[Any, ...]:
 
 
 _VARS = operator.attrgetter("__dict__")
-_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-_CONTAINERS = (dict, OrderedDict, list)  # attribute values copied one level deep by _program
-# Followed otherwise (see _program_key): the tree's dicts and modes (_ModelView), and the
-# caches of its own parameters an RNN rebinds at each eager forward (a list of weak
-# references, which compare by their tensors' elementwise == and so never equal a new one).
-_FOLLOWED = frozenset({"_parameters", "_buffers", "_modules", "training", "_flat_weights", "_flat_weight_refs"})
-# The most model programs (_program) one step traces under before each further one warns.
+_HOOK_DICTS = {  # a module's hook dicts, keyed by handle ids, and the dicts flagging some of those ids
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    "_backward_pre_hooks": (),
+    "_backward_hooks": (),
+}
+_CONTAINERS = (dict, OrderedDict, list, set)  # attribute values copied one level deep by _program
+# Left out of program numbers (see _program_key): what the signature follows otherwise (the
+# tree's dicts and modes, through _ModelView), the caches of its own parameters an RNN rebinds
+# at eager forwards (weak references, which compare by their tensors' elementwise ==), the
+# hook flags (folded into the hooks), and hooks that do not run in a forward.
+_UNNUMBERED = frozenset(
+    {"_parameters", "_buffers", "_modules", "training", "_flat_weights", "_flat_weight_refs", "_non_persistent_buffers_set",
+     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
+    | {flag for flags in _HOOK_DICTS.values() for flag in flags}
+)
+# The most programs (_program) one step traces under before each further one warns.
 MAX_MODEL_PROGRAMS = 8
-
-
-_NO_VALUE = object()  # an empty closure cell, a global not (yet) defined
+_NO_VALUE = object()  # an empty closure cell, a global not (yet) defined, an attribute absent
 
 
 class _LossReader:
-    """Reads what of the loss function's Python a trace bakes in, beside the model: for a
-    plain function (or a method, or a ``functools.partial`` of one), its code, defaults, the
-    values of its closure cells and of the module globals its code loads (``LOAD_GLOBAL``:
-    not attribute names, so that ``out.loss`` does not follow a global ``loss``), and a
-    partial's arguments. Functions it calls are not followed, nor a method's object or a
-    callable object's attributes (a trainer's counters change every step)."""
+    """Reads what of the loss function's Python a trace bakes in, beside the model: a
+    ``functools.partial``'s arguments; and for the function (a method's function, and every
+    function a decorator wraps, through ``__wrapped__``) its code, defaults, the values of its
+    closure cells and of the module globals its code loads, nested code (lambdas,
+    comprehensions, generator expressions) included (``LOAD_GLOBAL``: not attribute names, so
+    that ``out.loss`` does not follow a global ``loss``). Not followed: the functions it calls,
+    a method's object and a callable object's attributes (a trainer's counters change every
+    step), objects changed in place."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.partials: list[functools.partial] = []
         while isinstance(fn, functools.partial):
             self.partials.append(fn)
             fn = fn.func
-        fn = getattr(fn, "__func__", fn)  # a bound method: its function
-        self.fn = fn if isinstance(fn, types.FunctionType) else None
-        self._code: Any = None
-        self.globals: tuple[str, ...] = ()
+        functions: list[types.FunctionType] = []
+        while fn is not None and len(functions) < 64:
+            f = getattr(fn, "__func__", fn)  # a bound method: its function
+            if isinstance(f, types.FunctionType) and f not in functions:
+                functions.append(f)
+            fn = getattr(fn, "__wrapped__", None)  # functools.wraps
+        self.functions = tuple(functions)
+        self._globals: dict[Any, tuple[str, ...]] = {}  # code object -> the globals it loads
+
+    def globals_of(self, fn: types.FunctionType) -> tuple[str, ...]:
+        names = self._globals.get(fn.__code__)
+        if names is None:
+            names = self._globals[fn.__code__] = tuple(dict.fromkeys(_global_loads(fn.__code__)))
+        return names
 
     def read(self) -> tuple:
-        fn = self.fn
-        parts: tuple = tuple((p.args, dict(p.keywords)) for p in self.partials)
-        if fn is None:
-            return parts
-        code = fn.__code__
-        if code is not self._code:  # (the code object can be rebound)
-            self._code = code
-            self.globals = tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"))
-        return parts + (
-            code,
+        return tuple((p.args, dict(p.keywords)) for p in self.partials) + tuple(map(self._read_function, self.functions))
+
+    def _read_function(self, fn: types.FunctionType) -> tuple:
+        return (
+            fn.__code__,
             fn.__defaults__,
             None if fn.__kwdefaults__ is None else dict(fn.__kwdefaults__),
             tuple(map(_cell_value, fn.__closure__ or ())),
-            tuple(map(fn.__globals__.get, self.globals, itertools.repeat(_NO_VALUE))),
+            tuple(map(fn.__globals__.get, self.globals_of(fn), itertools.repeat(_NO_VALUE))),
         )
 
     def difference(self, old: tuple, new: tuple) -> str:
@@ -988,17 +1000,27 @@ class _LossReader:
         for i, (a, b) in enumerate(zip(old[:k], new[:k])):
             if not _same_program(a, b):
                 return f"the arguments of the loss's functools.partial (layer {i}) changed"
-        if self.fn is None or len(old) != len(new):
-            return "the loss function changed"
-        name = getattr(self.fn, "__qualname__", "loss")
-        code, defaults, kwdefaults, cells, names = old[k:]
-        if not (_same_program(code, new[k]) and _same_program(defaults, new[k + 1]) and _same_program(kwdefaults, new[k + 2])):
-            return f"the code or default arguments of the loss {name!r} changed"
-        for var, a, b in chain(zip(code.co_freevars, cells, new[k + 3]), zip(self.globals, names, new[k + 4])):
-            if not _same_program(a, b):
-                kind = "closure variable" if var in code.co_freevars else "global"
-                return f"{kind} {var!r} of the loss {name!r} changed ({_short(a)} -> {_short(b)})"
-        return f"the loss {name!r} changed"
+        for fn, was, now in zip(self.functions, old[k:], new[k:]):
+            name = fn.__qualname__
+            if not all(map(_same_program, was[:3], now[:3])):
+                return f"the code or default arguments of the loss {name!r} changed"
+            named = chain(
+                (("closure variable", v) for v in was[0].co_freevars), (("global", v) for v in self.globals_of(fn))
+            )
+            for (kind, var), a, b in zip(named, was[3] + was[4], now[3] + now[4]):
+                if not _same_program(a, b):
+                    return f"{kind} {var!r} of the loss {name!r} changed ({_short(a)} -> {_short(b)})"
+        return "the loss function changed"
+
+
+def _global_loads(code: Any) -> Iterator[str]:
+    """The names ``code`` and the code nested in it load as globals."""
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            yield ins.argval
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _global_loads(const)
 
 
 def _cell_value(cell: Any) -> Any:
@@ -1010,53 +1032,50 @@ def _cell_value(cell: Any) -> Any:
 
 def _program(modules: tuple[nn.Module, ...], loss: _LossReader | None = None) -> tuple:
     """What of the model's and the loss's Python a trace bakes into its graph beside the
-    tensors the fingerprint of :class:`_ModelView` follows: each module's class; a copy of its
-    instance attributes (a ``forward`` set on the instance, a float scale, a flag, a dropout
-    probability), with copies of its forward and backward hook dicts in place of the dicts;
-    the global module hooks; and the loss function's reading (:class:`_LossReader`). Compare
-    two with :func:`_same_program`, a reading with the model as it is now with
-    :func:`_program_holds`."""
+    tensors the fingerprint of :class:`_ModelView` follows: each module's class, and a copy of
+    the ``__dict__`` of every class in their MROs (a method or class attribute patched); a copy
+    of each module's instance attributes (a ``forward`` set on the instance, a float scale, a
+    flag, a dropout probability), with copies of its dicts, lists and sets (hooks, PEFT's
+    ``scaling``: changed in place); the global module hooks; and the loss function's reading
+    (:class:`_LossReader`). Compare a reading with the model as it is now with
+    :func:`_program_holds`; :class:`_Programs` numbers them."""
+    types_ = tuple(map(type, modules))
+    classes = tuple(c for c in dict.fromkeys(chain.from_iterable(t.__mro__ for t in types_)) if c is not object)
     return (
-        tuple(map(type, modules)),
+        types_,
         tuple(map(_attributes, modules)),
         _global_hooks(),
         () if loss is None else loss.read(),
+        classes,
+        tuple(dict(c.__dict__) for c in classes),
     )
 
 
 def _attributes(module: nn.Module) -> dict[str, Any]:
     attrs = module.__dict__.copy()
     for name, value in attrs.items():
-        if type(value) in _CONTAINERS and name not in _FOLLOWED:
+        if type(value) in _CONTAINERS:
             attrs[name] = value.copy()  # changed in place: hook dicts, PEFT's scaling dict
     return attrs
-
-
-def _program_key(program: tuple) -> tuple:
-    """The part of a :func:`_program` reading that numbers graphs (:class:`_Programs`): without
-    the entries the signature follows otherwise (parameters, buffers and children through the
-    parameter meta and the walk, modes), so that a swapped parameter or module of the same
-    shape, or a mode switched back, finds its graphs rather than tracing again."""
-    types_, attrs, global_hooks, loss_reading = program
-    kept = tuple({k: v for k, v in a.items() if k not in _FOLLOWED} for a in attrs)
-    return types_, kept, global_hooks, loss_reading
 
 
 def _global_hooks() -> tuple:
     m = _torch_module  # (its hook dicts change in place; the flag is rebound)
     return (
-        tuple(m._global_forward_pre_hooks),
-        tuple(m._global_forward_hooks),
-        tuple(m._global_backward_pre_hooks),
-        tuple(m._global_backward_hooks),
+        m._global_forward_pre_hooks.copy(),
+        m._global_forward_hooks.copy(),
+        m._global_forward_hooks_with_kwargs.copy(),
+        m._global_forward_hooks_always_called.copy(),
+        m._global_backward_pre_hooks.copy(),
+        m._global_backward_hooks.copy(),
         m._global_is_full_backward_hook,
     )
 
 
-def _same_program(a: tuple, b: tuple) -> bool:
-    """Whether two :func:`_program` readings are equal: the same objects, or equal values (a
-    rebound ``2.0`` is the same constant). Values that cannot say (two different tensors, an
-    array) count as different: a graph would hold the old one."""
+def _same_program(a: Any, b: Any) -> bool:
+    """Whether two readings are equal: the same objects, or equal values (a rebound ``2.0`` is
+    the same constant). Values that cannot say (two different tensors, an array) count as
+    different: a graph would hold the old one."""
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001 - any comparison that cannot answer means "not the same"
@@ -1066,11 +1085,12 @@ def _same_program(a: tuple, b: tuple) -> bool:
 def _program_holds(modules: tuple[nn.Module, ...], program: tuple, loss: _LossReader | None = None) -> bool:
     """Whether :func:`_program` of ``modules`` and ``loss`` now would equal ``program``,
     without copying: each live ``__dict__`` compared with its copy (C-level passes)."""
-    types_, attrs, global_hooks, loss_reading = program
+    types_, attrs, global_hooks, loss_reading, classes, class_attrs = program
     try:
         return (
             tuple(map(type, modules)) == types_
             and all(map(operator.eq, map(_VARS, modules), attrs))
+            and all(map(operator.eq, map(_VARS, classes), class_attrs))
             and _global_hooks() == global_hooks
             and (() if loss is None else loss.read()) == loss_reading
         )
@@ -1078,12 +1098,47 @@ def _program_holds(modules: tuple[nn.Module, ...], program: tuple, loss: _LossRe
         return False
 
 
+def _hook_key(hook: Any) -> Any:
+    """A hook as what it does, not its handle: a function by its code, closure values and
+    defaults (a hook made afresh each step by the same ``def`` or ``lambda`` is the same)."""
+    fn = getattr(hook, "__func__", hook)
+    if isinstance(fn, types.FunctionType):
+        return (fn.__code__, tuple(map(_cell_value, fn.__closure__ or ())), fn.__defaults__, getattr(hook, "__self__", None))
+    if isinstance(hook, functools.partial):
+        return (_hook_key(hook.func), hook.args, hook.keywords)
+    return hook
+
+
+def _hooks_key(hooks: Mapping[int, Any], *flags: Mapping[int, Any]) -> tuple:
+    return tuple((_hook_key(h), *(i in f for f in flags)) for i, h in hooks.items())
+
+
+def _program_key(program: tuple, written: frozenset[tuple[int, str]] = frozenset()) -> tuple:
+    """The part of a :func:`_program` reading that numbers graphs (:class:`_Programs`):
+    without what the signature follows otherwise (parameters, buffers, children, modes: a
+    swapped module of the same shapes or a mode switched back finds its graphs), with hooks as
+    what they run (:func:`_hook_key`: a hook registered and removed around each step is the
+    same hook), and without the ``written`` attributes, ``(module index, name)``, that forward
+    itself writes (:meth:`_Programs.left_by_trace`)."""
+    types_, attrs, global_hooks, loss_reading, classes, class_attrs = program
+    kept = []
+    for i, a in enumerate(attrs):
+        k = {n: v for n, v in a.items() if n not in _UNNUMBERED and (i, n) not in written}
+        for name, flags in _HOOK_DICTS.items():
+            if name in k:
+                k[name] = _hooks_key(a[name], *(a.get(f, {}) for f in flags))
+        kept.append(k)
+    g = global_hooks
+    hooks = (_hooks_key(g[0]), _hooks_key(g[1], g[2], g[3]), _hooks_key(g[4]), _hooks_key(g[5]), g[6])
+    return types_, tuple(kept), hooks, loss_reading, classes, class_attrs
+
+
 def _program_difference(model: nn.Module, old: tuple, new: tuple, loss: _LossReader | None = None) -> str:
-    """A phrase naming the first difference between two :func:`_program` readings of ``model``
-    (and of the loss ``loss`` reads)."""
+    """A phrase naming the first difference between two :func:`_program_key` readings of
+    ``model`` (and of the loss ``loss`` reads)."""
     names = [name or "the model" for name, _ in model.named_modules()]  # _walk's order
-    old_types, old_attrs, old_global, old_loss = old
-    new_types, new_attrs, new_global, new_loss = new
+    old_types, old_attrs, old_global, old_loss, old_classes, old_class_attrs = old
+    new_types, new_attrs, new_global, new_loss, new_classes, new_class_attrs = new
     if loss is not None and not _same_program(old_loss, new_loss):
         return loss.difference(old_loss, new_loss)
     if len(old_types) != len(new_types) or len(names) != len(new_types):
@@ -1099,7 +1154,12 @@ def _program_difference(model: nn.Module, old: tuple, new: tuple, loss: _LossRea
                 if attr in _HOOK_DICTS:
                     return f"a hook ({attr}) was registered or removed on module {name!r}"
                 return f"attribute {attr!r} of module {name!r} changed ({_short(a[attr])} -> {_short(b[attr])})"
-    if old_global != new_global:
+    if old_classes == new_classes:
+        for cls, a, b in zip(new_classes, old_class_attrs, new_class_attrs):
+            for attr in dict.fromkeys(chain(a, b)):
+                if not _same_program(a.get(attr, _NO_VALUE), b.get(attr, _NO_VALUE)):
+                    return f"class attribute {attr!r} of {cls.__qualname__} changed ({_short(a.get(attr))} -> {_short(b.get(attr))})"
+    if not _same_program(old_global, new_global):
         return "a global module hook (torch.nn.modules.module.register_module_*_hook) was registered or removed"
     return "its Python state changed"
 
@@ -1111,27 +1171,38 @@ def _short(value: Any) -> str:
 
 class _Programs:
     """The programs (:func:`_program`: the model's and the loss's Python) a step has traced
-    under, numbered: the number is
-    part of the graph signature, so that a graph traced under one program never runs under
-    another, and a program seen before finds its graphs again. A program that a trace itself
-    left behind (a module writing an attribute in its ``forward``) is given the number of the
-    program it was traced under (:meth:`alias`), or every call would trace again."""
+    under, numbered by :func:`_program_key`: the number is part of the graph signature, so
+    that a graph traced under one program never runs under another, and a program seen before
+    finds its graphs again.
+
+    A trace runs the forward, which may write attributes: a flag it reads first (a warm-up
+    switch) or a value it computes before reading it (an old-style ``weight_norm``'s weight,
+    a call counter). The first time a trace changes an attribute, the new value is a new
+    program and is traced (the flag's new value may change the graph); an attribute a second
+    trace changes again is written by the forward and leaves the numbering
+    (:meth:`left_by_trace`), or every call, and every eager forward between calls, would
+    trace again."""
 
     def __init__(self, loss: _LossReader | None = None) -> None:
         self.loss = loss
-        self._seen: list[tuple[tuple, int]] = []
+        self._seen: list[tuple[tuple, int]] = []  # (program, number)
+        self._changed: set[tuple[int, str]] = set()  # (module index, name) a trace changed
+        self.written: frozenset[tuple[int, str]] = frozenset()  # ... changed by two traces
         self.count = 0
 
+    def _same(self, a: tuple, b: tuple) -> bool:
+        return _same_program(_program_key(a, self.written), _program_key(b, self.written))
+
     def number(self, program: tuple, model: nn.Module) -> int:
-        program = _program_key(program)
         for seen, number in reversed(self._seen):
-            if _same_program(seen, program):
+            if self._same(seen, program):
                 return number
         if self.count >= MAX_MODEL_PROGRAMS:
+            last = self._seen[-1][0]
             warnings.warn(
                 f"The model's or the loss's Python changed again between calls of this DP step "
-                f"({_program_difference(model, self._seen[-1][0], program, self.loss)}): program {self.count + 1}, "
-                f"each traced and compiled anew, since a graph bakes in the classes, hooks and "
+                f"({_program_difference(model, _program_key(last, self.written), _program_key(program, self.written), self.loss)}): "
+                f"program {self.count + 1}, each traced and compiled anew, since a graph bakes in the classes, hooks and "
                 f"Python values its trace saw. Pass values that change every step as arguments of "
                 f"the loss (tensors, or constants of a public schedule), or set the model up before "
                 f"the first call.",
@@ -1142,10 +1213,22 @@ class _Programs:
         self.count += 1
         return self.count - 1
 
-    def alias(self, program: tuple, number: int) -> None:
-        program = _program_key(program)
-        if not any(_same_program(seen, program) for seen, _ in self._seen):
-            self._seen.append((program, number))
+    def left_by_trace(self, before: tuple, after: tuple) -> None:
+        """A trace read the model as ``before`` and left it as ``after``."""
+        _, was, *_ = before
+        _, now, *_ = after
+        if len(was) != len(now):
+            return
+        changed = {
+            (i, n)
+            for i, (a, b) in enumerate(zip(was, now))
+            for n in dict.fromkeys(chain(a, b))
+            if n not in _UNNUMBERED and not _same_program(a.get(n, _NO_VALUE), b.get(n, _NO_VALUE))
+        }
+        again = changed & self._changed
+        self._changed |= changed
+        if again:
+            self.written |= again
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1280,15 +1363,20 @@ def compile_dp(
     graphs (see :meth:`DPStep.plan`).
 
     Each call reads the model as it is then: which parameters train, their dtypes, shapes and
-    device, the modules' modes, and the Python a trace bakes in: each module's class, its
-    forward and backward hooks, the global module hooks and its instance attributes (a
-    ``forward`` set on an instance, a scale or flag its forward reads); and the loss
-    function's code, default arguments, closure variables and the module globals its code
-    names (through ``functools.partial`` and bound methods). Any change traces again; a state
-    seen before finds its graphs again; past ``MAX_MODEL_PROGRAMS`` (8) such states each new
-    one warns (``RuntimeWarning``, naming what changed). What the functions the loss calls
-    read, and objects changed in place (a list, a config), are read once, when a graph is
-    traced.
+    device, the modules' modes, and the Python a trace bakes in: each module's class and the
+    attributes of the classes it derives from (a patched method), its forward and backward
+    hooks (as the functions they run: a hook registered afresh at each step is the same hook),
+    the global module hooks and its instance attributes (a ``forward`` set on an instance, a
+    scale or flag its forward reads, a dict of them changed in place); and the loss function's
+    code, default arguments, closure variables and the module globals its code loads, nested
+    code included, through ``functools.partial``, ``functools.wraps`` and a method's function.
+    Any change traces again; a state seen before finds its graphs again; past
+    ``MAX_MODEL_PROGRAMS`` (8) such states each new one warns (``RuntimeWarning``, naming what
+    changed). An attribute the forward writes itself is traced again once, and if the next
+    trace writes it again it is left out (a counter, an old-style ``weight_norm`` weight). Read
+    once, when a graph is traced: what the functions the loss calls read, a method's object,
+    modules other than ``model`` (a teacher reached through a global), and objects changed in
+    place beyond one level (a config).
 
     Args:
         loss_fn: the batch loss. Omit it to use ``compile_dp`` as a decorator.
