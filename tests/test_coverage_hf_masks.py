@@ -429,13 +429,16 @@ def test_wav2vec2_training_mode_runs_and_is_reproducible() -> None:
     args = _audio_batch()
     saved = step.state_dict()
     first = [step(*args).clipped.grads for _ in range(2)]
+    # (transformers installs its output-capturing hooks at the first forward, which the first
+    # trace runs: the model it leaves behind is traced once more, DPStep._Programs)
+    traces = step.num_traces
     step.load_state_dict(saved)
     again = [step(*args).clipped.grads for _ in range(2)]
     for a, b in zip(first, again):
         assert all(torch.equal(a[k], b[k]) for k in a)
         assert all(bool(torch.isfinite(v).all()) for v in a.values())
     assert any(not torch.equal(first[0][k], first[1][k]) for k in first[0])
-    assert step.num_traces == 1
+    assert traces <= 2 and step.num_traces == traces
 
 
 # ----------------------------------------------------------------------------- patch scope
