@@ -1059,17 +1059,23 @@ def _attributes(module: nn.Module) -> dict[str, Any]:
     return attrs
 
 
-def _global_hooks() -> tuple:
-    m = _torch_module  # (its hook dicts change in place; the flag is rebound)
+def _live_global_hooks() -> tuple:
+    """The global module hook dicts as they are (changed in place) and the rebound flag."""
+    m = _torch_module
     return (
-        m._global_forward_pre_hooks.copy(),
-        m._global_forward_hooks.copy(),
-        m._global_forward_hooks_with_kwargs.copy(),
-        m._global_forward_hooks_always_called.copy(),
-        m._global_backward_pre_hooks.copy(),
-        m._global_backward_hooks.copy(),
+        m._global_forward_pre_hooks,
+        m._global_forward_hooks,
+        m._global_forward_hooks_with_kwargs,
+        m._global_forward_hooks_always_called,
+        m._global_backward_pre_hooks,
+        m._global_backward_hooks,
         m._global_is_full_backward_hook,
     )
+
+
+def _global_hooks() -> tuple:
+    """A copy of :func:`_live_global_hooks`, for :func:`_program`."""
+    return tuple(h.copy() if isinstance(h, dict) else h for h in _live_global_hooks())
 
 
 def _same_program(a: Any, b: Any) -> bool:
@@ -1091,7 +1097,7 @@ def _program_holds(modules: tuple[nn.Module, ...], program: tuple, loss: _LossRe
             tuple(map(type, modules)) == types_
             and all(map(operator.eq, map(_VARS, modules), attrs))
             and all(map(operator.eq, map(_VARS, classes), class_attrs))
-            and _global_hooks() == global_hooks
+            and _live_global_hooks() == global_hooks  # (compared as they are: no copies per call)
             and (() if loss is None else loss.read()) == loss_reading
         )
     except Exception:  # noqa: BLE001 - as in _same_program
