@@ -58,6 +58,12 @@ def nodes_with_role(graph: fx.Graph, role: str) -> dict[str, fx.Node]:
     return {r[1]: n for n in graph.nodes if (r := role_of(n)) is not None and r[0] == role}
 
 
+_aten = torch.ops.aten
+#: Ops that make a tensor from numbers alone; :class:`Emitter` puts them on the graph's device.
+_FACTORIES = frozenset((_aten.scalar_tensor.default, _aten.full.default, _aten.zeros.default, _aten.ones.default,
+                        _aten.empty.memory_format, _aten.arange.default, _aten.arange.start, _aten.arange.start_step))
+
+
 class Emitter:
     """Appends ATen calls to a graph before a given node, with fake-tensor metadata.
 
@@ -72,10 +78,18 @@ class Emitter:
         self.before = before
         vals = [n.meta["val"] for n in graph.nodes if "val" in n.meta]
         self.fake_mode = detect_fake_mode(vals)
+        #: Where new constants are made (a ``scalar_tensor`` without ``device``): the device of
+        #: the graph's first tensor input, the model's first trainable parameter. A CPU constant
+        #: beside CUDA values fails where an op does not take CPU scalars (``nextafter``).
+        first = next((n.meta.get("val") for n in graph.nodes if n.op == "placeholder"
+                      and isinstance(n.meta.get("val"), torch.Tensor)), None)
+        self.device = first.device if first is not None else None
         #: Every node this emitter inserted, in order (see :meth:`erase_since`).
         self.created: list[fx.Node] = []
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        if op in _FACTORIES and "device" not in kwargs and self.device is not None:
+            kwargs = {**kwargs, "device": self.device}
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(op, args, kwargs)
         self.created.append(node)  # before its value is computed, which may raise

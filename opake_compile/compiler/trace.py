@@ -549,10 +549,13 @@ def trace_per_example_grads(
     state_tensors = [named[n].detach() for n in trainable]
     state_tensors += [named[n].detach() for n in frozen]
     state_tensors += [b.detach() for _, b in model.named_buffers()]
-    clip = torch.zeros((), dtype=torch.float64)
-    mask = torch.zeros(physical_batch_size, dtype=torch.bool)
+    # The step passes C, the row mask and the draws on the device of the model's first trainable
+    # parameter (step.py); traced on the CPU, the mask met CUDA norms in the clipping pass.
+    device = state_tensors[0].device if state_tensors else torch.device("cpu")
+    clip = torch.zeros((), dtype=torch.float64, device=device)
+    mask = torch.zeros(physical_batch_size, dtype=torch.bool, device=device)
     tensor_leaves = [l for l, k in zip(leaves, kinds) if k != "const"]
-    extra = [torch.zeros(n_draws, dtype=torch.float32)] if n_draws else []
+    extra = [torch.zeros(n_draws, dtype=torch.float32, device=device)] if n_draws else []
     try:
         # recurrent_ops: RNN/GRU/LSTM and packed sequences; tracing_patches: masks, LayerDrop, SpecAugment, CTC.
         with _model_left_unchanged(model), recurrent_ops(), _patches.tracing_patches(model, draws), \
