@@ -209,3 +209,40 @@ def test_compiled_step_on_the_device_matches_the_cpu_step():
     assert torch.allclose(got.per_example_norms.cpu().double(), ref.per_example_norms.double(), rtol=1e-4)
     for k, want in ref.grads.items():
         assert torch.allclose(got.grads[k].cpu(), want, rtol=1e-4, atol=1e-6), k
+
+
+# ------------------------------------------------------------ a whole DP-SGD step on the device
+def test_noisy_optimizer_step_on_the_device():
+    # compile_dp, then DPOptimizer (Gaussian noise from the key, drawn on the parameters'
+    # device) on device parameters: the update is the noised clipped sum over the expected batch
+    # size, the noise has std sigma*C per entry (C tiny, so the update is almost all noise), the
+    # same key gives the same update, and one step is charged.
+    from opake_compile import random as oprandom
+    from opake_compile.optim import DPOptimizer
+    from opake_compile.sampling import PoissonSampler
+
+    n, sigma, c, lr = 64, 2.0, 1e-3, 1.0
+
+    def run(seed: int) -> tuple[torch.Tensor, DPOptimizer]:
+        torch.manual_seed(0)
+        model = nn.Linear(256, 128).to(DEVICE)
+        before = model.weight.detach().clone()
+        step = compile_dp(lambda m, x, y: nn.functional.cross_entropy(m(x), y), model=model, clipping_norm=c)
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=lr), noise_multiplier=sigma,
+                          sampler=PoissonSampler(n, 1.0, key=oprandom.key(1)), key=oprandom.key(seed))
+        idx = next(iter(opt.sampler))
+        g = torch.Generator().manual_seed(3)
+        x, y = torch.randn(n, 256, generator=g)[idx], torch.randint(0, 128, (n,), generator=g)[idx]
+        opt.step(step(x.to(DEVICE), y.to(DEVICE)).clipped, draw=idx)
+        assert model.weight.device.type == torch.device(DEVICE).type
+        return (model.weight.detach() - before).cpu().double(), opt
+
+    upd, opt = run(5)
+    again, _ = run(5)
+    other, _ = run(6)
+    assert torch.equal(upd, again)
+    assert not torch.equal(upd, other)
+    # update = -lr (clipped sum + N(0, (sigma C)^2)) / n; the clipped sum adds at most C / n.
+    std = float(upd.std()) * n / lr
+    assert abs(std / (sigma * c) - 1) < 0.02, std / (sigma * c)  # 32768 entries: std error ~0.4 %
+    assert opt.steps == 1 and 0 < opt.epsilon(1e-5) < math.inf
