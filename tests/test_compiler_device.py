@@ -106,3 +106,28 @@ def test_forced_norm_forms_stay_on_the_model_device(graph_of, path, bookkeeping)
                   rewrites=[GhostClipping(force={"0.weight": path, "2.weight": path}, bookkeeping=bookkeeping)])
     devices = _devices(gm)
     assert set(devices) == {"meta"}, {k: v[:5] for k, v in devices.items() if k != "meta"}
+
+
+def _lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_transformers_graphs_stay_on_the_model_device(monkeypatch, name):
+    # GPT-2 (tied LM head, Conv1D, learned positions) and Llama (RMSNorm, rotary, grouped-query
+    # SDPA): the embedding and LM-head book-keeping paths the small models above do not take.
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setattr(step_mod, "lower", lambda gm, backend, counter: (_ for _ in ()).throw(_Lowered(gm)))
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=16, use_cache=False)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=64, vocab_size=100, use_cache=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    step = compile_dp(_lm_loss, model=model.to("meta"), clipping_norm=1.0, backend="inductor")
+    with pytest.raises(_Lowered) as got:
+        step(torch.randint(0, 100, (4, 16)).to("meta"))
+    devices = _devices(got.value.args[0])
+    assert set(devices) == {"meta"}, {k: v[:5] for k, v in devices.items() if k != "meta"}
