@@ -327,6 +327,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--verbose", action="store_true", help="print a failing row's traceback")
+    p.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
+                   help="set torch._inductor.config.NAME (dotted, e.g. triton.max_tiles=2) before any compile; repeatable")
     p.add_argument("--allocator", default="system", help="system (glibc as is) or retain (keep freed memory: "
                    "no page faults from re-mapping each step; see bench_step.set_allocator)")
     ns = p.parse_args()
@@ -334,7 +336,21 @@ def main() -> None:
     import bench_step as bs  # a sibling script: `python bench/<this>.py` puts bench/ on sys.path
 
     allocator = bs.set_allocator(ns.allocator, ns.device)
+    import ast
+
     import torch
+    import torch._inductor.config as inductor_config
+
+    for item in ns.inductor:
+        name, _, value = item.partition("=")
+        *path, last = name.split(".")
+        obj = inductor_config
+        for part in path:
+            obj = getattr(obj, part)
+        if not hasattr(obj, last):
+            p.error(f"--inductor {item}: torch._inductor.config has no {name}")
+        setattr(obj, last, ast.literal_eval(value))
+        print(f"# torch._inductor.config.{name} = {getattr(obj, last)!r}")
 
     print(f"# bench_shapes torch={torch.__version__} threads={torch.get_num_threads()} device={ns.device} "
           f"rounds={ns.rounds} allocator={allocator} loadavg={os.getloadavg()}", flush=True)

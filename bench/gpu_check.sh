@@ -13,7 +13,8 @@
 #             the device step against the CPU step (18 passed in 76 s)
 #   diagnose  the GPT-2 DP step that failed to launch a kernel ("CUDA driver error: invalid
 #             argument"), with its traceback, under Inductor's defaults and with each suspect
-#             switched off, and at a vocabulary that keeps batch x vocabulary under 65536
+#             switched off (static launcher, mix-order reductions, 3D tiling), and at a
+#             vocabulary that keeps batch x vocabulary under 65536 (about 5 minutes)
 #   paired    bench_paired.py for mlp and encoder with Poisson sizes (each compiles about ten
 #             graphs: more than 60 s per model there)
 #   shapes    bench_shapes.py on the realistic shapes
@@ -64,6 +65,7 @@ for part in "${parts[@]}"; do
         gpt2_dp 70 "Inductor defaults" --
         gpt2_dp 60 "TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 (Triton's own launcher)" TORCHINDUCTOR_USE_STATIC_CUDA_LAUNCHER=0 --
         gpt2_dp 60 "TORCHINDUCTOR_MIX_ORDER_REDUCTION=0" TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 --
+        gpt2_dp 60 "triton.max_tiles=2 (no 3D tiling: Grid3D has no y/z overflow guard)" -- --inductor triton.max_tiles=2
         gpt2_dp 60 "vocabulary 4096 (B x V = 32768)" -- --vocab 4096 ;;
     paired)
         for m in mlp encoder; do
