@@ -740,6 +740,50 @@ def test_a_module_writing_an_attribute_in_its_forward_traces_at_most_twice(layer
     assert step.num_traces == 2
 
 
+@pytest.mark.parametrize("layer, compiles", [(_Counting, 1), (_old_weight_norm, 1), (_WarmUp, 2)],
+                         ids=["counter", "old_weight_norm", "warm_up"])
+def test_a_graph_traced_again_to_the_same_code_is_not_compiled_again(layer, compiles):
+    # The second trace of a forward that writes an attribute gives the same graph unless what it
+    # wrote changes the function (the warm-up flag): the same graph runs the callable already
+    # lowered from it, another graph is lowered anew.
+    model = nn.Sequential(layer(4, 3))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    got = [step(x, y) for _ in range(3)]
+    assert step.num_traces == 2 and step.num_backend_compiles == compiles
+    want = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")(x, y)
+    assert torch.equal(got[-1].loss, want.loss)
+
+
+class _Weighted(nn.Linear):
+    """Scales its output by a tensor made in the forward from a list attribute: the traced graph
+    holds it as a constant (``get_attr``), not in its code."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.scales = [1.0, 2.0, 3.0]
+
+    def forward(self, x):
+        return super().forward(x) * torch.tensor(self.scales)
+
+
+def test_a_graph_of_the_same_code_with_other_constants_is_compiled_again():
+    model = nn.Sequential(_Weighted(4, 3))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    step(x, y)
+    model[0].scales[1] = -5.0  # in place: a new program, traced to the same code
+    got = step(x, y)
+    assert step.num_traces == 2 and step.num_backend_compiles == 2
+    assert any(n.op == "get_attr" for c in step._cache.values() for n in c.traced.gm.graph.nodes)
+    want = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")(x, y)
+    assert torch.equal(got.loss, want.loss)
+    for k in want.clipped.grads:
+        assert torch.equal(got.clipped.grads[k], want.clipped.grads[k]), k
+
+
 def test_an_rnn_run_eagerly_between_steps_traces_once():
     # An RNN rebinds caches of its parameters (_flat_weights, weak references) at an eager
     # forward on other tensors than its last (after a trace, or under functional_call): derived

@@ -115,10 +115,46 @@ class _Compiled:
     coverage: dict[str, str]
     fn: Callable[..., Any]
     methods: dict[str, str] = dataclasses.field(default_factory=dict)  # see _check_same_methods
+    identity: tuple = ()  # _graph_identity of the graph ``fn`` was lowered from
     feed: _Feed = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.feed = _Feed.of(self.traced.layout)
+
+
+def _graph_identity(gm: torch.fx.GraphModule) -> tuple:
+    """What lowering a graph depends on, but for its tensor constants: its Python code (every
+    op, argument and literal), each input's shape, strides, dtype and device, and the
+    matrix-product precision settings a backend may compile in (the graph's norm bounds assume
+    the precision it was traced under)."""
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta.get("val")
+            inputs.append((tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v))
+    precision = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
+                 torch.backends.cudnn.allow_tf32, _num.float32_matmul_is_ieee())
+    return gm.code, tuple(inputs), precision
+
+
+def _same_constants(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
+    """Whether the attributes the ``get_attr`` nodes of two graphs of the same code read are
+    equal (tensors: same dtype, shape, device and values)."""
+    for n in a.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        x, y = operator.attrgetter(n.target)(a), operator.attrgetter(n.target)(b)
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            try:
+                same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                        and x.shape == y.shape and x.device == y.device and bool(torch.equal(x, y)))
+            except Exception:  # noqa: BLE001 - a value that cannot be compared is not the same
+                same = False
+        else:
+            same = type(x) is type(y) and x == y
+        if not same:
+            return False
+    return True
 
 
 def _default_physical_batch_size(n: int) -> int:
@@ -601,8 +637,15 @@ class DPStep:
         for r in reports:
             methods.update(getattr(r, "methods", {}))
         self._check_same_methods(sig, methods)
-        fn = lower(traced.gm, self.backend, self._counter)
-        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn, methods=methods)
+        # A graph traced again to the same code and constants (transformers' output-capturing
+        # hooks, installed by the first forward, change the model's program but not its graph)
+        # runs the callable already lowered from it: no second backend compile.
+        identity = _graph_identity(traced.gm)
+        fn = next((c.fn for c in self._cache.values()
+                   if c.identity == identity and _same_constants(c.traced.gm, traced.gm)), None)
+        if fn is None:
+            fn = lower(traced.gm, self.backend, self._counter)
+        compiled = _Compiled(traced=traced, reports=reports, coverage=coverage, fn=fn, methods=methods, identity=identity)
         self._cache[sig] = compiled
         return compiled
 
@@ -1379,8 +1422,9 @@ def compile_dp(
     Any change traces again; a state seen before finds its graphs again; past
     ``MAX_MODEL_PROGRAMS`` (8) such states each new one warns (``RuntimeWarning``, naming what
     changed). An attribute the forward writes itself is traced again once, and if the next
-    trace writes it again it is left out (a counter, an old-style ``weight_norm`` weight). Read
-    once, when a graph is traced: what the functions the loss calls read, a method's object,
+    trace writes it again it is left out (a counter, an old-style ``weight_norm`` weight). A
+    trace that gives a graph already lowered (the same code, inputs and constants) runs the
+    callable lowered from it: no second backend compile. Read once, when a graph is traced: what the functions the loss calls read, a method's object,
     modules other than ``model`` (a teacher reached through a global), and objects changed in
     place beyond one level (a config).
 
