@@ -784,6 +784,35 @@ def test_a_graph_of_the_same_code_with_other_constants_is_compiled_again():
         assert torch.equal(got.clipped.grads[k], want.clipped.grads[k]), k
 
 
+class _ScaledByAttribute(nn.Linear):
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.scale = torch.ones(3)  # a plain tensor attribute (not a buffer): a graph constant
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_a_graph_with_a_tensor_constant_is_lowered_anew():
+    # A new tensor of equal values traces again to the same code; the callable lowered for the
+    # old tensor would not see the new one changed in place afterwards (a hostile review: it ran
+    # the old scale), so a graph holding a tensor constant is never reused.
+    model = _ScaledByAttribute(4, 3)
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    step = compile_dp(loss, model=model, clipping_norm=100.0, backend="aot_eager")
+    step(x, y)
+    model.scale = torch.ones(3)
+    step(x, y)
+    model.scale.mul_(4.0)
+    got = step(x, y)
+    assert step.num_traces == 2 and step.num_backend_compiles == 2
+    want = compile_dp(loss, model=model, clipping_norm=100.0, backend="aot_eager")(x, y)
+    assert torch.equal(got.loss, want.loss)
+    for k in want.clipped.grads:
+        assert torch.equal(got.clipped.grads[k], want.clipped.grads[k]), k
+
+
 def test_an_rnn_run_eagerly_between_steps_traces_once():
     # An RNN rebinds caches of its parameters (_flat_weights, weak references) at an eager
     # forward on other tensors than its last (after a trace, or under functional_call): derived

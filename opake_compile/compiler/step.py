@@ -138,21 +138,17 @@ def _graph_identity(gm: torch.fx.GraphModule) -> tuple:
 
 
 def _same_constants(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
-    """Whether the attributes the ``get_attr`` nodes of two graphs of the same code read are
-    equal (tensors: same dtype, shape, device and values)."""
+    """Whether two graphs of the same code read equal non-tensor attributes and no tensor
+    constant. A tensor constant is the tensor the model or the loss held at the trace (a plain
+    tensor attribute, a closure variable), read by the lowered callable as it is then or copied
+    in at lowering: a callable lowered for one such tensor would not follow a new tensor of equal
+    values changed in place later (a hostile review: loss 2.41 against 0.72 from a new step),
+    so a graph with one is always lowered anew."""
     for n in a.graph.nodes:
         if n.op != "get_attr":
             continue
         x, y = operator.attrgetter(n.target)(a), operator.attrgetter(n.target)(b)
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            try:
-                same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
-                        and x.shape == y.shape and x.device == y.device and bool(torch.equal(x, y)))
-            except Exception:  # noqa: BLE001 - a value that cannot be compared is not the same
-                same = False
-        else:
-            same = type(x) is type(y) and x == y
-        if not same:
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or not (type(x) is type(y) and x == y):
             return False
     return True
 
@@ -637,7 +633,7 @@ class DPStep:
         for r in reports:
             methods.update(getattr(r, "methods", {}))
         self._check_same_methods(sig, methods)
-        # A graph traced again to the same code and constants (transformers' output-capturing
+        # A graph traced again to the same code, without tensor constants (transformers' output-capturing
         # hooks, installed by the first forward, change the model's program but not its graph)
         # runs the callable already lowered from it: no second backend compile.
         identity = _graph_identity(traced.gm)
@@ -1423,8 +1419,8 @@ def compile_dp(
     ``MAX_MODEL_PROGRAMS`` (8) such states each new one warns (``RuntimeWarning``, naming what
     changed). An attribute the forward writes itself is traced again once, and if the next
     trace writes it again it is left out (a counter, an old-style ``weight_norm`` weight). A
-    trace that gives a graph already lowered (the same code, inputs and constants) runs the
-    callable lowered from it: no second backend compile. Read once, when a graph is traced: what the functions the loss calls read, a method's object,
+    trace that gives a graph already lowered (the same code and inputs, no tensor constants)
+    runs the callable lowered from it: no second backend compile. Read once, when a graph is traced: what the functions the loss calls read, a method's object,
     modules other than ``model`` (a teacher reached through a global), and objects changed in
     place beyond one level (a config).
 
