@@ -168,7 +168,7 @@ def _nll_by_recursion(
     # Skipping the blank between two labels is allowed unless they are equal.
     prev2 = torch.cat([ext.new_full((batch, 2), -1), ext], dim=1)[:, :length]
     skip = (pos[None, :] % 2 == 1) & (ext != prev2) & (pos[None, :] >= 2)
-    log_zero = torch.tensor(_LOG_ZERO, dtype=log_probs.dtype, device=device)
+    log_zero = torch.full((), _LOG_ZERO, dtype=log_probs.dtype, device=device)  # (torch.tensor detaches in place: refused under grad off the CPU)
 
     emit = log_probs.gather(2, ext[None, :, :].expand(n_frames, batch, length)).clamp_min(_LOG_ZERO)
     start = pos[None, :] < 2
@@ -198,7 +198,7 @@ def _nll_by_recursion(
     m = torch.maximum(last, before)
     total = m + ((last - m).exp() + (before - m).exp()).log()
     impossible = total <= _LOG_ZERO / 2
-    inf = torch.tensor(float("inf"), dtype=total.dtype, device=device)
+    inf = torch.full((), float("inf"), dtype=total.dtype, device=device)
     return torch.where(impossible, inf, -total)
 
 

@@ -131,3 +131,23 @@ def test_transformers_graphs_stay_on_the_model_device(monkeypatch, name):
         step(torch.randint(0, 100, (4, 16)).to("meta"))
     devices = _devices(got.value.args[0])
     assert set(devices) == {"meta"}, {k: v[:5] for k, v in devices.items() if k != "meta"}
+
+
+def test_ctc_by_recursion_stays_on_the_model_device(graph_of, monkeypatch):
+    # The CTC loss's own recursion (the path for half-precision log-probabilities) made its
+    # constants with torch.tensor, which detaches in place: refused under grad off the CPU.
+    import opake_compile._ctc as ctc
+
+    monkeypatch.setattr(ctc, "_kernel_applies", lambda log_probs: False)
+
+    def loss(m, x, targets, in_len, tgt_len):
+        return F.ctc_loss(m(x).log_softmax(-1).transpose(0, 1), targets, in_len, tgt_len, zero_infinity=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5)).to("meta")
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    batch = (torch.randn(6, 12, 8), torch.randint(1, 5, (6, 4)), torch.full((6,), 12), torch.randint(1, 5, (6,)))
+    with pytest.raises(_Lowered) as got:
+        step(*(b.to("meta") for b in batch))
+    devices = _devices(got.value.args[0])
+    assert set(devices) == {"meta"}, {k: v[:5] for k, v in devices.items() if k != "meta"}
