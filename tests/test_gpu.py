@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import torch.nn as nn
 
 from _models import huge_partner_batch
 from opake_compile import compile_dp
+from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.compiler.passes import _kernels
 from opake_compile.compiler.passes.numerics import ieee_float32_matmul
 from opake_compile.compiler.passes.rewrites import GhostClipping
@@ -209,6 +211,34 @@ def test_compiled_step_on_the_device_matches_the_cpu_step():
     assert torch.allclose(got.per_example_norms.cpu().double(), ref.per_example_norms.double(), rtol=1e-4)
     for k, want in ref.grads.items():
         assert torch.allclose(got.grads[k].cpu(), want, rtol=1e-4, atol=1e-6), k
+
+
+# ------------------------------------------------------------ attention's backward, batched
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("mask", ["causal", "padding", "none"])
+def test_attention_backward_runs_once_for_all_examples_on_the_device(dtype, mask):
+    # The device's fused attention kernels (on CUDA: memory-efficient for float32, flash for
+    # bfloat16) under vmap(grad): compiler/_sdpa.py folds the examples into the kernel's batch
+    # for the backward op too. No per-example fallback; each example's gradient equals the
+    # kernel's gradient for that example alone (a loop at batch size one).
+    n, heads, t, e = 4, 2, 40, 16
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, t, heads * e, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(heads * e, heads * e, generator=g) / 8).to(DEVICE, dtype)
+    lengths = torch.randint(t // 2, t + 1, (n,), generator=g)
+    pad = (torch.arange(t) < lengths[:, None]).to(DEVICE)  # True = attend
+
+    def loss(w, x, keep):
+        q = (x @ w).view(t, heads, e).transpose(0, 1).unsqueeze(0)
+        kw = {"is_causal": True} if mask == "causal" else {"attn_mask": keep[None, None, None, :]} if mask == "padding" else {}
+        return nn.functional.scaled_dot_product_attention(q, q.tanh(), q * 0.5, **kw).float().square().sum()
+
+    with warnings.catch_warnings(), batched_attention():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(w, x, pad)
+    want = torch.stack([torch.func.grad(loss)(w, x[i], pad[i]) for i in range(n)])
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.float().abs().max())), mask
 
 
 # ------------------------------------------------------------ a whole DP-SGD step on the device

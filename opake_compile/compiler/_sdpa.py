@@ -29,9 +29,17 @@ The rules are registered with :class:`torch.library.Library` on entry and remove
 outermost exit when nested or concurrent): nothing stays patched after ``compile_dp`` has
 traced, and the user's model is never touched.
 
-CUDA is not covered here: torch 2.13 has functorch rules for the forward of its CUDA kernels
-(flash, memory-efficient, cuDNN) but not for their backward ops, which therefore still run
-per example under ``vmap`` (not measured: no GPU was available when this was written).
+On CUDA, torch has functorch rules for the forward of its fused kernels (flash,
+memory-efficient, cuDNN: they fold the vmapped dimension into the kernel's batch as above) but
+not for their backward ops. Those ran per example under ``vmap``: functorch's fallback called
+the backward kernel once per example, P calls per layer in the graph (first seen on an H200,
+2026-12-04). :func:`batched_attention` gives each of them the same fold, mirroring torch's
+forward rule, so the backward sees the rows in the order the forward did. That order matters
+with dropout: the kernels regenerate the forward's dropout mask from one seed and the row's
+index in the kernel's batch, which the per-example fallback restarted at zero for every
+example. The rule for a backward op whose signature differs from the one expected here is
+not registered (the fallback stays); a backward call with an unexpected batched argument
+(a batched seed) runs as an explicit loop, as the fallback would.
 """
 
 from __future__ import annotations
@@ -125,11 +133,113 @@ def _backward_rule(grad_out, query, key, value, out, logsumexp, dropout_p, is_ca
         return tuple(_unfold(g, p, level) for g in grads)
 
 
+# The GPU kernels' backward ops: per-row arguments (first dimension the kernel's batch, folded
+# with the vmapped dimension), the attention bias (folded as torch's forward rule folds it), and
+# the arguments shared by all rows (seeds, offsets, sequence bounds), passed unchanged.
+_ROWS = ("grad_out", "query", "key", "value", "out", "logsumexp")
+_FUSED_BACKWARD = {
+    "_scaled_dot_product_efficient_attention_backward": ("grad_out_", *_ROWS[1:]),
+    "_scaled_dot_product_flash_attention_backward": _ROWS,
+    "_scaled_dot_product_cudnn_attention_backward": _ROWS,
+}
+_BIAS = "attn_bias"
+_SHARED = frozenset({"philox_seed", "philox_offset", "cum_seq_q", "cum_seq_k"})
+
+
+def _fused_backward_rules() -> list[tuple[torch._ops.OpOverload, object]]:
+    """``(op, batching rule)`` for each GPU attention backward op of this torch whose tensor
+    arguments are exactly the ones named in ``_FUSED_BACKWARD`` (plus bias and shared ones)."""
+    rules = []
+    for name, rows in _FUSED_BACKWARD.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            continue
+        op = packet.default
+        args = op._schema.arguments
+        tensors = {a.name for a in args if "Tensor" in str(a.type)}
+        if not set(rows) <= tensors or not tensors <= {*rows, _BIAS, *_SHARED}:
+            continue  # an unexpected signature: leave functorch's fallback in place
+        rules.append((op, _fused_backward_rule(op, frozenset(rows), [a.name for a in args])))
+    return rules
+
+
+def _fold_bias(b: torch.Tensor, bdim: int | None, p: int, n: int, needs_grad: bool) -> torch.Tensor | None:
+    """The 4-d bias folded as torch's forward rule folds it (batched: the vmapped dimension
+    into the first; shared and broadcast over the rows: unchanged), or, shared but needing a
+    gradient per example, expanded to every row; with rows at a 16-element stride, as the
+    memory-efficient kernel requires of a bias a fold has copied. ``None`` for any other
+    form (the caller loops over the examples)."""
+    if b.dim() - (bdim is not None) != 4:
+        return None
+    if bdim is None:
+        if b.shape[0] == 1 and not needs_grad:
+            return b
+        if b.shape[0] != n:
+            return None
+        b = b.expand(p, *b.shape)
+        bdim = 0
+    b = b.movedim(bdim, 0).flatten(0, 1)
+    s = b.shape[-1]
+    if b.shape[-2] > 1 and b.stride(-2) % 16:
+        b = torch.nn.functional.pad(b, (0, -s % 16))[..., :s]
+    return b
+
+
+def _fused_backward_rule(op: torch._ops.OpOverload, rows: frozenset[str], names: list[str]):  # noqa: ANN202
+    def rule(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        bound = {**dict(zip(names, args)), **kwargs}
+        with torch._C._ExcludeDispatchKeyGuard(_NOT_BATCHED):
+            level = _ft.current_level()
+            parts = {k: _unwrap(v, level) for k, v in bound.items() if isinstance(v, torch.Tensor)}
+            sizes = {x.shape[b] for x, b in parts.values() if b is not None}
+            if not sizes:
+                return op(**bound)
+            (p,) = sizes
+            if any(b is not None for k, (_, b) in parts.items() if k in _SHARED):
+                return _loop(op, bound, parts, p, level)
+            q, q_bdim = parts["query"]
+            n = q.shape[0] if q_bdim is None else q.movedim(q_bdim, 0).shape[1]
+            folded = dict(bound)
+            for name, (x, b) in parts.items():
+                folded[name] = _fold(x, b, p) if name in rows else x
+            if _BIAS in parts:
+                mask = bound.get("grad_input_mask")
+                needs_grad = bool(mask is not None and len(mask) > 3 and mask[3])
+                folded[_BIAS] = _fold_bias(*parts[_BIAS], p, n, needs_grad)
+                if folded[_BIAS] is None:
+                    return _loop(op, bound, parts, p, level)
+            grads = op(**folded)
+            return tuple(g if g is None else _unfold(g, p, level) for g in grads)
+
+    return rule
+
+
+def _loop(op: torch._ops.OpOverload, bound: dict, parts: dict, p: int, level: int):  # noqa: ANN202
+    """The op once per example, results stacked: what functorch's fallback does. Refused with
+    dropout: the kernel would regenerate each example's mask from the wrong rows."""
+    if bound.get("dropout_p", 0.0) > 0:
+        raise RuntimeError(
+            f"vmap of {op.name()} with dropout and a batched seed or an unusual attention bias: a "
+            "per-example loop would not regenerate the forward's dropout masks."
+        )
+    outs = []
+    for i in range(p):
+        call = dict(bound)
+        for n, (x, b) in parts.items():
+            call[n] = x if b is None else x.select(b, i)
+        outs.append(op(**call))
+    return tuple(
+        None if col[0] is None else _ft._add_batch_dim(torch.stack(col), 0, level)
+        for col in zip(*outs)
+    )
+
+
 @contextlib.contextmanager
 def batched_attention() -> Iterator[None]:
-    """Within the block, ``vmap`` of CPU scaled dot-product attention (forward and backward)
-    runs the fused kernel once over all examples instead of a per-example loop, so a
-    ``make_fx`` trace holds one attention call per layer whatever the batch size.
+    """Within the block, ``vmap`` of scaled dot-product attention runs the fused kernel once
+    over all examples instead of a per-example loop (the CPU kernel forward and backward; the
+    GPU kernels' backward, torch having rules for their forward), so a ``make_fx`` trace holds
+    one attention call per layer whatever the batch size.
 
     Thread-safe and re-entrant; the rules are removed when the last user exits.
 
@@ -144,6 +254,8 @@ def batched_attention() -> Iterator[None]:
             lib = torch.library.Library("aten", "IMPL")
             lib.impl(_FWD.name().split("::")[1], _forward_rule, "FuncTorchBatched")
             lib.impl(_BWD.name().split("::")[1], _backward_rule, "FuncTorchBatched")
+            for op, rule in _fused_backward_rules():
+                lib.impl(op.name().split("::")[1], rule, "FuncTorchBatched")
             _library = lib
         _users += 1
     try:
