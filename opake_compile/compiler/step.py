@@ -132,9 +132,29 @@ def _graph_identity(gm: torch.fx.GraphModule) -> tuple:
         if n.op == "placeholder":
             v = n.meta.get("val")
             inputs.append((tuple(v.shape), v.stride(), v.dtype, v.device) if isinstance(v, torch.Tensor) else repr(v))
-    precision = (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32,
-                 torch.backends.cudnn.allow_tf32, _num.float32_matmul_is_ieee())
-    return gm.code, tuple(inputs), precision
+    return gm.code, tuple(inputs), _precision_settings()
+
+
+def _precision_settings() -> tuple:
+    """The float32 matrix-product precision settings, read without raising: torch refuses to
+    read the global or the legacy ones when legacy and per-backend settings were mixed, so
+    those read as ``"mixed"``, and the per-backend ones are read as well."""
+
+    def read(get: Callable[[], Any]) -> Any:
+        try:
+            return get()
+        except RuntimeError:
+            return "mixed"
+
+    return (
+        read(torch.get_float32_matmul_precision),
+        read(lambda: torch.backends.cuda.matmul.allow_tf32),
+        read(lambda: torch.backends.cudnn.allow_tf32),
+        read(lambda: torch.backends.cuda.matmul.fp32_precision),
+        read(lambda: torch.backends.mkldnn.matmul.fp32_precision),
+        read(lambda: torch.backends.cudnn.conv.fp32_precision),
+        _num.float32_matmul_is_ieee(),
+    )
 
 
 def _same_constants(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
