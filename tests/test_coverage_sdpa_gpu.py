@@ -47,19 +47,30 @@ def _scores(q, k, bias, is_causal, scale):  # noqa: ANN001, ANN202
     return s
 
 
-def _forward(q, k, v, bias, is_causal, scale):  # noqa: ANN001, ANN202
+def _keep(shape: torch.Size, dropout_p: float, seed: int) -> torch.Tensor | float:
+    """The dropout mask (scaled by 1 / (1 - p)) as the GPU kernels make it: from one seed and
+    each row's index in the kernel's batch, so the backward regenerates the forward's mask
+    only if it sees the rows in the forward's order."""
+    if dropout_p == 0:
+        return 1.0
+    rows = [torch.rand(shape[1:], generator=torch.Generator().manual_seed(1000 * seed + r)) >= dropout_p for r in range(shape[0])]
+    return torch.stack(rows).to(F64) / (1 - dropout_p)
+
+
+def _forward(q, k, v, bias, is_causal, scale, dropout_p=0.0, seed=0):  # noqa: ANN001, ANN202
     s = _scores(q, k, bias, is_causal, scale)
-    return s.softmax(-1) @ v, s.logsumexp(-1)
+    return (s.softmax(-1) * _keep(s.shape, dropout_p, seed)) @ v, s.logsumexp(-1)
 
 
-def _backward(grad_out, q, k, v, out, lse, bias, is_causal, scale):  # noqa: ANN001, ANN202
+def _backward(grad_out, q, k, v, out, lse, bias, is_causal, scale, dropout_p=0.0, seed=0):  # noqa: ANN001, ANN202
     """Softmax attention's gradients from the saved output and log-sum-exp (rows of lse past
     the query length are padding): dQ, dK, dV and the scores' gradient dS (the bias's)."""
     s = _scores(q, k, bias, is_causal, scale)
     p = (s - lse[..., : q.shape[-2], None]).exp()
-    ds = p * (grad_out @ v.transpose(-2, -1) - (grad_out * out).sum(-1, keepdim=True))
+    keep = _keep(s.shape, dropout_p, seed)
+    ds = p * ((grad_out @ v.transpose(-2, -1)) * keep - (grad_out * out).sum(-1, keepdim=True))
     sc = q.shape[-1] ** -0.5 if scale is None else scale
-    return ds @ k * sc, ds.transpose(-2, -1) @ q * sc, p.transpose(-2, -1) @ grad_out, ds
+    return ds @ k * sc, ds.transpose(-2, -1) @ q * sc, (p * keep).transpose(-2, -1) @ grad_out, ds
 
 
 _calls: dict[str, int] = {}
@@ -73,15 +84,30 @@ def _seed() -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64)
 
 
+_SEED = 7
+
+
+def _check_bias(kind: str, bias, query) -> None:  # noqa: ANN001
+    """The real kernels' bias checks: the memory-efficient kernels take a 4-d bias of the
+    call's batch ("attn_bias: wrong shape (batch dimension)"); cuDNN broadcasts a 2-d or 3-d
+    mask and takes a 4-d one of the call's batch."""
+    if bias is None or (kind == CUDNN and bias.dim() < 4):
+        return
+    if bias.dim() != 4 or bias.shape[0] != query.shape[0]:
+        raise RuntimeError(f"attn_bias: wrong shape (batch dimension): {tuple(bias.shape)} for query {tuple(query.shape)}")
+
+
 def _efficient_fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
-    out, lse = _forward(query, key, value, attn_bias, is_causal, scale)
+    _check_bias(EFFICIENT, attn_bias, query)
+    out, lse = _forward(query, key, value, attn_bias, is_causal, scale, dropout_p, _SEED)
     lse = F.pad(lse, (0, -lse.shape[-1] % 32))  # the kernel's padded rows, as its meta kernel gives
-    return out, lse, _seed(), _seed()
+    return out, lse, _seed() + _SEED, _seed()
 
 
 def _efficient_bwd(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False, *, scale=None):  # noqa: ANN001, ANN202
     _count(EFFICIENT)
-    dq, dk, dv, ds = _backward(grad_out_, query, key, value, out, logsumexp, attn_bias, is_causal, scale)
+    _check_bias(EFFICIENT, attn_bias, query)
+    dq, dk, dv, ds = _backward(grad_out_, query, key, value, out, logsumexp, attn_bias, is_causal, scale, dropout_p, int(philox_seed))
     return dq, dk, dv, (ds.sum_to_size(attn_bias.shape) if grad_input_mask[3] else None)
 
 
@@ -97,12 +123,14 @@ def _flash_bwd(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k
 
 
 def _cudnn_fwd(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):  # noqa: ANN001, ANN202
+    _check_bias(CUDNN, attn_bias, query)
     out, lse = _forward(query, key, value, attn_bias, is_causal, scale)
     return out, lse[..., None], None, None, query.shape[-2], key.shape[-2], _seed(), _seed(), None
 
 
 def _cudnn_bwd(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale=None):  # noqa: ANN001, ANN202
     _count(CUDNN)
+    _check_bias(CUDNN, attn_bias, query)
     return _backward(grad_out, query, key, value, out, logsumexp[..., 0], attn_bias, is_causal, scale)[:3]
 
 
@@ -155,10 +183,10 @@ def _no_fallback():
         yield
 
 
-def _attend(kind: str, q, k, v, bias=None, is_causal=False, scale=None):  # noqa: ANN001, ANN202
+def _attend(kind: str, q, k, v, bias=None, is_causal=False, scale=None, dropout_p=0.0):  # noqa: ANN001, ANN202
     """The kernel's forward op, as ``F.scaled_dot_product_attention`` calls it on a GPU."""
     if kind == EFFICIENT:
-        return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal, scale=scale)[0]
     if kind == FLASH:
         assert bias is None
         return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=scale)[0]
@@ -172,8 +200,9 @@ _BIASES = {
     "per example, batch dim last": (lambda n: torch.randn(1, H, T, T, n, generator=seeded(22), dtype=F64), 4),
     "per example, rows at an odd stride": (lambda n: torch.randn(n, 1, H, T, T + 3, generator=seeded(23), dtype=F64)[..., :T], 0),
     "shared (1, H, T, T)": (lambda n: torch.randn(1, H, T, T, generator=seeded(24), dtype=F64), None),
+    "shared 2-d (T, T)": (lambda n: torch.randn(T, T, generator=seeded(33), dtype=F64), None),
 }
-_CASES = [(k, b, c) for k in (EFFICIENT, CUDNN) for b in _BIASES for c in (False, True)]
+_CASES = [(k, b, c) for k in (EFFICIENT, CUDNN) for b in _BIASES for c in (False, True) if k == CUDNN or "2-d" not in b]
 _CASES += [(FLASH, "none", c) for c in (False, True)]
 
 
@@ -216,13 +245,13 @@ def test_a_trainable_bias_gets_per_example_gradients(reference_kernels):
     torch.testing.assert_close(got, want)
 
 
-def test_a_shared_bias_broadcast_over_rows_runs_as_a_loop_of_equal_values(reference_kernels):
-    """A trainable bias shared by all examples and broadcast over each example's two rows has
-    no per-example fold (each example's gradient sums its rows): the rule calls the kernel
-    once per example, as functorch's fallback would."""
+def test_a_shared_bias_over_several_rows_per_example(reference_kernels):
+    """Each example's kernel batch has two rows and the trainable bias one entry per row,
+    shared by the examples: expanded to every example in the forward and the backward alike,
+    its gradient comes back per example."""
     n = 3
     x = torch.randn(n, 2, H, T, D // H, generator=seeded(29), dtype=F64)
-    rel = torch.randn(1, H, T, T, generator=seeded(30), dtype=F64)
+    rel = torch.randn(2, H, T, T, generator=seeded(30), dtype=F64)
 
     def loss(rel, x):  # noqa: ANN001, ANN202
         return _attend(EFFICIENT, x, x.cos(), x, rel).square().sum()
@@ -230,19 +259,72 @@ def test_a_shared_bias_broadcast_over_rows_runs_as_a_loop_of_equal_values(refere
     _calls.clear()
     with _no_fallback(), batched_attention():
         got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(rel, x)
-    assert _calls == {EFFICIENT: n}, _calls
+    assert _calls == {EFFICIENT: 1}, _calls
     want = torch.stack([torch.func.grad(loss)(rel, x[i]) for i in range(n)])
     assert got.shape == (n, *rel.shape)
     torch.testing.assert_close(got, want)
+
+
+def test_vmap_over_cotangents_with_dropout_calls_the_backward_per_example(reference_kernels):
+    """The forward ran once, unbatched: its dropout masks are those of its own rows, which a
+    call per cotangent regenerates and a folded call would not (the rule loops then)."""
+    q = torch.randn(1, H, T, D // H, generator=seeded(34), dtype=F64)
+    out, vjp_fn = torch.func.vjp(lambda q: _attend(EFFICIENT, q, q.sin(), q * 0.5, dropout_p=0.4), q)
+    cotangents = torch.randn(3, *out.shape, generator=seeded(35), dtype=F64)
+    want = torch.stack([vjp_fn(c)[0] for c in cotangents])
+    _calls.clear()
+    with batched_attention():
+        got = torch.func.vmap(vjp_fn)(cotangents)[0]
+    assert _calls == {EFFICIENT: 3}, _calls
+    torch.testing.assert_close(got, want)
+    with batched_attention():  # without dropout the cotangents fold into one call
+        _, vjp_fn = torch.func.vjp(lambda q: _attend(EFFICIENT, q, q.sin(), q * 0.5), q)
+        _calls.clear()
+        got = torch.func.vmap(vjp_fn)(cotangents)[0]
+    assert _calls == {EFFICIENT: 1}, _calls
+    torch.testing.assert_close(got, torch.stack([vjp_fn(c)[0] for c in cotangents]))
+
+
+def test_the_backward_regenerates_the_forwards_dropout_masks(reference_kernels):
+    """With dropout, the kernel's backward regenerates each row's mask from the forward's seed
+    and the row's index in the kernel's batch (the reference kernels do the same). The rule
+    folds the examples as the forward rule did, so each example's gradient is the one for the
+    mask its forward used: the gradient of all examples in one kernel call, each with its own
+    copy of the weights. functorch's per-example fallback gave every example row 0's mask."""
+    n, e = 4, D // H
+    w = torch.randn(D, D, generator=seeded(31), dtype=F64)
+    x = torch.randn(n, T, D, generator=seeded(32), dtype=F64)
+
+    def loss(w, x):  # noqa: ANN001, ANN202
+        q = (x @ w).view(T, H, e).transpose(0, 1).unsqueeze(0)
+        return _attend(EFFICIENT, q, q.sin(), q * 0.5, dropout_p=0.4).square().sum()
+
+    def together(ws, x):  # noqa: ANN001, ANN202
+        q = torch.einsum("btd,bde->bte", x, ws).view(n, T, H, e).transpose(1, 2)
+        return _attend(EFFICIENT, q, q.sin(), q * 0.5, dropout_p=0.4).square().sum()
+
+    with _no_fallback(), batched_attention():
+        got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(w, x)
+    want = torch.func.grad(together)(w.expand(n, D, D).clone(), x)
+    torch.testing.assert_close(got, want)
+    first = torch.func.grad(together)(w.expand(n, D, D).clone(), x[:1].expand(n, T, D).clone())
+    assert not torch.allclose(first[1], first[0])  # the masks differ by row: the check can fail
 
 
 def test_rules_are_registered_only_inside_the_block():
     names = [f"aten::{n}" for n in _KERNELS if n.endswith("_backward")]
     has = lambda: [torch._C._dispatch_has_kernel_for_dispatch_key(n, "FuncTorchBatched") for n in names]  # noqa: E731
     assert has() == [False] * 3
+    def torchs_rule() -> bool:  # the active FuncTorchBatched kernel is torch's C++ rule
+        dump = torch._C._dispatch_dump("aten::_scaled_dot_product_efficient_attention").splitlines()
+        return "BatchRulesLinearAlgebra" in next(line for line in dump if line.startswith("FuncTorchBatched:"))
+
+    assert torchs_rule()
     with batched_attention():
         assert has() == [True] * 3
+        assert not torchs_rule()  # replaced while the block runs
     assert has() == [False] * 3
+    assert torchs_rule()  # and torch's again after it
 
 
 # ----------------------------------------------------------------------------- in the DP step

@@ -215,22 +215,30 @@ def test_compiled_step_on_the_device_matches_the_cpu_step():
 
 # ------------------------------------------------------------ attention's backward, batched
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("mask", ["causal", "padding", "none"])
+@pytest.mark.parametrize("mask", ["causal", "padding", "shared", "none"])
 def test_attention_backward_runs_once_for_all_examples_on_the_device(dtype, mask):
-    # The device's fused attention kernels (on CUDA: memory-efficient for float32, flash for
-    # bfloat16) under vmap(grad): compiler/_sdpa.py folds the examples into the kernel's batch
-    # for the backward op too. No per-example fallback; each example's gradient equals the
-    # kernel's gradient for that example alone (a loop at batch size one).
+    # The device's fused attention kernels (on CUDA: memory-efficient for float32; flash or
+    # cuDNN for bfloat16) under vmap(grad): compiler/_sdpa.py folds the examples into the
+    # kernel's batch for the backward op too, and expands a mask shared by the examples (which
+    # torch's forward rule passes on with one row, refused by the memory-efficient kernel). No
+    # per-example fallback; each example's gradient equals the kernel's gradient for that
+    # example alone (a loop at batch size one).
     n, heads, t, e = 4, 2, 40, 16
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, t, heads * e, generator=g).to(DEVICE, dtype)
     w = (torch.randn(heads * e, heads * e, generator=g) / 8).to(DEVICE, dtype)
     lengths = torch.randint(t // 2, t + 1, (n,), generator=g)
     pad = (torch.arange(t) < lengths[:, None]).to(DEVICE)  # True = attend
+    shared = torch.ones(t, t, dtype=torch.bool, device=DEVICE).tril()
 
     def loss(w, x, keep):
         q = (x @ w).view(t, heads, e).transpose(0, 1).unsqueeze(0)
-        kw = {"is_causal": True} if mask == "causal" else {"attn_mask": keep[None, None, None, :]} if mask == "padding" else {}
+        kw = {
+            "causal": {"is_causal": True},
+            "padding": {"attn_mask": keep[None, None, None, :]},
+            "shared": {"attn_mask": shared},
+            "none": {},
+        }[mask]
         return nn.functional.scaled_dot_product_attention(q, q.tanh(), q * 0.5, **kw).float().square().sum()
 
     with warnings.catch_warnings(), batched_attention():

@@ -33,19 +33,26 @@ On CUDA, torch has functorch rules for the forward of its fused kernels (flash,
 memory-efficient, cuDNN: they fold the vmapped dimension into the kernel's batch as above) but
 not for their backward ops. Those ran per example under ``vmap``: functorch's fallback called
 the backward kernel once per example, P calls per layer in the graph (first seen on an H200,
-2026-12-04). :func:`batched_attention` gives each of them the same fold, mirroring torch's
-forward rule, so the backward sees the rows in the order the forward did. That order matters
-with dropout: the kernels regenerate the forward's dropout mask from one seed and the row's
-index in the kernel's batch, which the per-example fallback restarted at zero for every
-example. The rule for a backward op whose signature differs from the one expected here is
-not registered (the fallback stays); a backward call with an unexpected batched argument
-(a batched seed) runs as an explicit loop, as the fallback would.
+2026-12-04). :func:`batched_attention` gives each of them the same fold as the forward, so the
+backward sees the rows in the order the forward did. That order matters with dropout: the
+kernels regenerate the forward's dropout mask from one seed and the row's index in the
+kernel's batch, which the per-example fallback restarted at zero for every example. When the
+forward ran unbatched and only the backward is vmapped (``vmap`` over cotangents, ``jacrev``),
+a call per example is what regenerates its masks, and the rule loops.
+
+The forward rules of the two kernels that take a bias (memory-efficient, cuDNN) are replaced
+as well, while the block runs: torch's pass a bias that is not batched (a mask shared by all
+examples, such as a causal mask built inside the model) unchanged to the folded call, and the
+memory-efficient kernel refuses a bias whose batch is not the call's. Ours expand such a bias
+to every example first (a stride-0 view when it has one row). A rule whose op has a signature
+other than the one expected here is not registered (torch's handling stays).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -133,59 +140,65 @@ def _backward_rule(grad_out, query, key, value, out, logsumexp, dropout_p, is_ca
         return tuple(_unfold(g, p, level) for g in grads)
 
 
-# The GPU kernels' backward ops: per-row arguments (first dimension the kernel's batch, folded
-# with the vmapped dimension), the attention bias (folded as torch's forward rule folds it), and
-# the arguments shared by all rows (seeds, offsets, sequence bounds), passed unchanged.
+# The GPU kernels. Per-row arguments (first dimension the kernel's batch) are folded with the
+# vmapped dimension; the attention bias is folded by :func:`_fold_bias`; seeds, offsets and
+# sequence bounds are shared by all rows and passed unchanged.
 _ROWS = ("grad_out", "query", "key", "value", "out", "logsumexp")
 _FUSED_BACKWARD = {
     "_scaled_dot_product_efficient_attention_backward": ("grad_out_", *_ROWS[1:]),
     "_scaled_dot_product_flash_attention_backward": _ROWS,
     "_scaled_dot_product_cudnn_attention_backward": _ROWS,
 }
+# Forward ops that take a bias: torch's rules pass a bias not batched at the level unchanged,
+# which the memory-efficient kernel refuses ("attn_bias: wrong shape (batch dimension)": its
+# bias must have the folded batch). Their outputs with a row per kernel batch entry: the
+# output, the log-sum-exp and cuDNN's debug mask.
+_FUSED_FORWARD = {
+    "_scaled_dot_product_efficient_attention": (0, 1),
+    "_scaled_dot_product_cudnn_attention": (0, 1, 8),
+}
 _BIAS = "attn_bias"
 _SHARED = frozenset({"philox_seed", "philox_offset", "cum_seq_q", "cum_seq_k"})
 
 
-def _fused_backward_rules() -> list[tuple[torch._ops.OpOverload, object]]:
-    """``(op, batching rule)`` for each GPU attention backward op of this torch whose tensor
-    arguments are exactly the ones named in ``_FUSED_BACKWARD`` (plus bias and shared ones)."""
+def _fused_rules() -> list[tuple[torch._ops.OpOverload, object]]:
+    """``(op, batching rule)`` for each GPU attention op of this torch whose tensor arguments
+    are the ones expected here (the rows, the bias, the shared ones); any other signature keeps
+    torch's own handling (its forward rule, or functorch's per-example fallback)."""
     rules = []
-    for name, rows in _FUSED_BACKWARD.items():
+    expected = [(name, frozenset(rows), None) for name, rows in _FUSED_BACKWARD.items()]
+    expected += [(name, frozenset(_ROWS[1:4]), outs) for name, outs in _FUSED_FORWARD.items()]
+    for name, rows, outs in expected:
         packet = getattr(torch.ops.aten, name, None)
         if packet is None:
             continue
         op = packet.default
         args = op._schema.arguments
         tensors = {a.name for a in args if "Tensor" in str(a.type)}
-        if not set(rows) <= tensors or not tensors <= {*rows, _BIAS, *_SHARED}:
-            continue  # an unexpected signature: leave functorch's fallback in place
-        rules.append((op, _fused_backward_rule(op, frozenset(rows), [a.name for a in args])))
+        if not rows <= tensors or not tensors <= {*rows, _BIAS, *_SHARED}:
+            continue
+        names = [a.name for a in args]
+        rules.append((op, _fused_rule(op, rows, names, outs)))
     return rules
 
 
-def _fold_bias(b: torch.Tensor, bdim: int | None, p: int, n: int, needs_grad: bool) -> torch.Tensor | None:
-    """The 4-d bias folded as torch's forward rule folds it (batched: the vmapped dimension
-    into the first; shared and broadcast over the rows: unchanged), or, shared but needing a
-    gradient per example, expanded to every row; with rows at a 16-element stride, as the
-    memory-efficient kernel requires of a bias a fold has copied. ``None`` for any other
-    form (the caller loops over the examples)."""
-    if b.dim() - (bdim is not None) != 4:
-        return None
+def _fold_bias(b: torch.Tensor, bdim: int | None, p: int) -> torch.Tensor:
+    """The bias for the folded kernel call: batched, its vmapped dimension folded into the first
+    (as torch's forward rules do); shared by the examples and 4-d, expanded to every example
+    first (the memory-efficient kernels take a bias of the call's batch only); a shared 2-d or
+    3-d mask (passed on by ``F.scaled_dot_product_attention`` to cuDNN, which broadcasts it)
+    unchanged."""
     if bdim is None:
-        if b.shape[0] == 1 and not needs_grad:
+        if b.dim() != 4:
             return b
-        if b.shape[0] != n:
-            return None
-        b = b.expand(p, *b.shape)
-        bdim = 0
-    b = b.movedim(bdim, 0).flatten(0, 1)
-    s = b.shape[-1]
-    if b.shape[-2] > 1 and b.stride(-2) % 16:
-        b = torch.nn.functional.pad(b, (0, -s % 16))[..., :s]
-    return b
+        b, bdim = b.expand(p, *b.shape), 0
+    return b.movedim(bdim, 0).flatten(0, 1)
 
 
-def _fused_backward_rule(op: torch._ops.OpOverload, rows: frozenset[str], names: list[str]):  # noqa: ANN202
+def _fused_rule(op: torch._ops.OpOverload, rows: frozenset[str], names: list[str], outs: tuple[int, ...] | None):  # noqa: ANN202
+    """The batching rule of a GPU attention op: one kernel call on the folded batch. ``outs``:
+    the forward op's outputs to unfold (``None``: a backward op, all of its outputs)."""
+
     def rule(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         bound = {**dict(zip(names, args)), **kwargs}
         with torch._C._ExcludeDispatchKeyGuard(_NOT_BATCHED):
@@ -195,32 +208,40 @@ def _fused_backward_rule(op: torch._ops.OpOverload, rows: frozenset[str], names:
             if not sizes:
                 return op(**bound)
             (p,) = sizes
-            if any(b is not None for k, (_, b) in parts.items() if k in _SHARED):
+            dropout = bound.get("dropout_p", 0.0) > 0
+            if dropout and outs is not None:
+                from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+                if retrieve_current_functorch_interpreter().randomness() != "different":
+                    raise RuntimeError(f"vmap of {op.name()} with dropout needs randomness='different'.")
+            if any(b is not None for k, (_, b) in parts.items() if k in _SHARED) or (
+                # The forward ran once, unbatched at this level (vmap over cotangents, jacrev):
+                # its dropout masks are rows 0..N-1 of its call, which a folded call would not
+                # regenerate, and a call per example does.
+                dropout and outs is None and parts.get("out", (None, None))[1] is None
+            ):
                 return _loop(op, bound, parts, p, level)
-            q, q_bdim = parts["query"]
-            n = q.shape[0] if q_bdim is None else q.movedim(q_bdim, 0).shape[1]
             folded = dict(bound)
-            for name, (x, b) in parts.items():
-                folded[name] = _fold(x, b, p) if name in rows else x
-            if _BIAS in parts:
-                mask = bound.get("grad_input_mask")
-                needs_grad = bool(mask is not None and len(mask) > 3 and mask[3])
-                folded[_BIAS] = _fold_bias(*parts[_BIAS], p, n, needs_grad)
-                if folded[_BIAS] is None:
-                    return _loop(op, bound, parts, p, level)
-            grads = op(**folded)
-            return tuple(g if g is None else _unfold(g, p, level) for g in grads)
+            for k, (x, b) in parts.items():
+                folded[k] = _fold(x, b, p) if k in rows else _fold_bias(x, b, p) if k == _BIAS else x
+            results = op(**folded)
+            wanted = range(len(results)) if outs is None else outs
+            return tuple(
+                _unfold(r, p, level) if i in wanted and isinstance(r, torch.Tensor) and r.dim() > 0 and r.numel() > 0 else r
+                for i, r in enumerate(results)
+            )
 
     return rule
 
 
 def _loop(op: torch._ops.OpOverload, bound: dict, parts: dict, p: int, level: int):  # noqa: ANN202
-    """The op once per example, results stacked: what functorch's fallback does. Refused with
-    dropout: the kernel would regenerate each example's mask from the wrong rows."""
-    if bound.get("dropout_p", 0.0) > 0:
+    """The backward op once per example, results stacked: what functorch's fallback does.
+    Refused with dropout when the forward was batched: each call would regenerate its rows'
+    masks from row 0, not from the rows the forward's folded call used."""
+    if bound.get("dropout_p", 0.0) > 0 and parts.get("out", (None, None))[1] is not None:
         raise RuntimeError(
-            f"vmap of {op.name()} with dropout and a batched seed or an unusual attention bias: a "
-            "per-example loop would not regenerate the forward's dropout masks."
+            f"vmap of {op.name()} with dropout and a batched seed: a per-example loop would not "
+            "regenerate the forward's dropout masks."
         )
     outs = []
     for i in range(p):
@@ -228,10 +249,7 @@ def _loop(op: torch._ops.OpOverload, bound: dict, parts: dict, p: int, level: in
         for n, (x, b) in parts.items():
             call[n] = x if b is None else x.select(b, i)
         outs.append(op(**call))
-    return tuple(
-        None if col[0] is None else _ft._add_batch_dim(torch.stack(col), 0, level)
-        for col in zip(*outs)
-    )
+    return tuple(None if col[0] is None else _ft._add_batch_dim(torch.stack(col), 0, level) for col in zip(*outs))
 
 
 @contextlib.contextmanager
@@ -254,8 +272,10 @@ def batched_attention() -> Iterator[None]:
             lib = torch.library.Library("aten", "IMPL")
             lib.impl(_FWD.name().split("::")[1], _forward_rule, "FuncTorchBatched")
             lib.impl(_BWD.name().split("::")[1], _backward_rule, "FuncTorchBatched")
-            for op, rule in _fused_backward_rules():
-                lib.impl(op.name().split("::")[1], rule, "FuncTorchBatched")
+            with warnings.catch_warnings():  # torch's forward rules, replaced while the block runs
+                warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+                for op, rule in _fused_rules():
+                    lib.impl(op.name().split("::")[1], rule, "FuncTorchBatched")
             _library = lib
         _users += 1
     try:
