@@ -11,10 +11,12 @@ changes (or depends on) torch's global generator. A :class:`Case` bundles a mode
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -403,3 +405,12 @@ def tiny_ctc_model(family: str, **overrides: Any) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return model_cls(config_cls(**kw)).train()
+
+
+@contextlib.contextmanager
+def no_functorch_fallback() -> Iterator[None]:
+    """Fail on functorch's per-example fallback warning ("There is a performance drop because we
+    have not yet implemented the batching rule ..."): an op ran once per example under vmap."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        yield

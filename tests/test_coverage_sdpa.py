@@ -11,8 +11,6 @@ Face GPT-2 with ``attn_implementation="sdpa"``.
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opake_compile as opake
-from _models import assert_trees_close, loop_reference, seeded
+from _models import assert_trees_close, loop_reference, no_functorch_fallback, seeded
 from opake_compile import compile_dp
 from opake_compile.compiler._sdpa import batched_attention
 from opake_compile.compiler.trace import trace_per_example_grads
@@ -106,14 +104,6 @@ def _batch(kind, n, seed):
 _MODELS = {"mha": _SelfAttention, "encoder": _Encoder, "encoder-2": lambda: _Encoder(2), "raw": _RawAttention}
 
 
-@contextlib.contextmanager
-def _no_fallback():
-    """Fail on functorch's per-example fallback warning ("There is a performance drop ...")."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*performance drop.*")
-        yield
-
-
 def _attention_nodes(gm):  # noqa: ANN001, ANN202
     return [n for n in gm.graph.nodes if n.op == "call_function" and "scaled_dot_product" in str(n.target)]
 
@@ -123,7 +113,7 @@ def test_attention_is_traced_once_whatever_the_batch_size(kind):
     model = _build(_MODELS[kind]).eval()
     counts = []
     for p in (2, 8):
-        with _no_fallback():
+        with no_functorch_fallback():
             traced = trace_per_example_grads(
                 model, _classify, _batch(kind, p, 0), batched_positions=tuple(range(4 if kind == "raw" else 3)), physical_batch_size=p
             )
@@ -138,7 +128,7 @@ def test_attention_is_traced_once_whatever_the_batch_size(kind):
 def test_compiled_matches_loop_oracle(kind):
     model = _build(_MODELS[kind]).eval()
     args = _batch(kind, 6, 1)
-    with _no_fallback():
+    with no_functorch_fallback():
         out = compile_dp(_classify, model=model, clipping_norm=0.05, physical_batch_size=4, backend="aot_eager")(*args)
     want, norms = loop_reference(model, _classify, args, 0.05)
     assert bool((norms > 0.05).any())  # clipping happens, so a wrong per-example split shows
@@ -167,7 +157,7 @@ def test_hugging_face_gpt2_with_sdpa_attention():
     assert model.config._attn_implementation == "sdpa"
     loss = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
     ids = torch.randint(0, 60, (5, 6), generator=seeded(4))
-    with _no_fallback():
+    with no_functorch_fallback():
         step = compile_dp(loss, model=model, clipping_norm=0.05, physical_batch_size=4, backend="aot_eager")
         out = step(ids)
     want, norms = loop_reference(model, loss, (ids,), 0.05)
@@ -207,7 +197,7 @@ def test_batching_rules_equal_a_loop(mask_kind, kw):
     mask = make_mask(n)
     loss = _attn_loss(kw)
     per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, mask_dim))
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         got = per_example(w, x, mask)
     one = lambda i: None if mask is None else (mask if mask_dim is None else mask.select(mask_dim, i))  # noqa: E731
     want = torch.stack([torch.func.grad(loss)(w, x[i], one(i)) for i in range(n)])
@@ -230,7 +220,7 @@ def test_nested_vmap_with_inputs_batched_at_different_levels():
     q = torch.randn(3, 4, 1, 2, 5, 8, generator=seeded(12), dtype=F64)
     k = torch.randn(3, 1, 2, 7, 8, generator=seeded(13), dtype=F64)
     f = lambda q, k: F.scaled_dot_product_attention(q, k, k.sin())  # noqa: E731
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         inner_q_only = torch.func.vmap(torch.func.vmap(f, in_dims=(0, None)))(q, k)
         inner_k_only = torch.func.vmap(torch.func.vmap(f, in_dims=(None, 0)), in_dims=(0, None))(q[:, 0], k)
     want = torch.stack([torch.stack([f(q[i, j], k[i]) for j in range(4)]) for i in range(3)])

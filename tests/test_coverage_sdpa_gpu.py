@@ -16,16 +16,14 @@ whole DP trace of the real ops' shapes.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from _models import assert_trees_close, loop_reference, seeded
+from _models import assert_trees_close, loop_reference, no_functorch_fallback, seeded
 from opake_compile import compile_dp
 from opake_compile.compiler import step as step_mod
 from opake_compile.compiler._sdpa import batched_attention
@@ -175,14 +173,6 @@ def reference_kernels():
     lib._destroy()
 
 
-@contextlib.contextmanager
-def _no_fallback():
-    """Fail on functorch's per-example fallback warning ("There is a performance drop ...")."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*performance drop.*")
-        yield
-
-
 def _attend(kind: str, q, k, v, bias=None, is_causal=False, scale=None, dropout_p=0.0):  # noqa: ANN001, ANN202
     """The kernel's forward op, as ``F.scaled_dot_product_attention`` calls it on a GPU."""
     if kind == EFFICIENT:
@@ -220,7 +210,7 @@ def test_backward_rules_equal_a_loop(reference_kernels, kind, bias_kind, causal)
 
     per_example = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, bias_dim))
     _calls.clear()
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         got = per_example(w, x, bias)
     assert _calls == {kind: 1}, _calls  # one backward call for all examples, not one per example
     one = lambda i: None if bias is None else (bias if bias_dim is None else bias.select(bias_dim, i))  # noqa: E731
@@ -238,7 +228,7 @@ def test_a_trainable_bias_gets_per_example_gradients(reference_kernels):
         q = x.unsqueeze(0)
         return _attend(EFFICIENT, q, q.cos(), q, rel).square().sum()
 
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(rel, x)
     want = torch.stack([torch.func.grad(loss)(rel, x[i]) for i in range(n)])
     assert got.shape == (n, *rel.shape)
@@ -257,7 +247,7 @@ def test_a_shared_bias_over_several_rows_per_example(reference_kernels):
         return _attend(EFFICIENT, x, x.cos(), x, rel).square().sum()
 
     _calls.clear()
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(rel, x)
     assert _calls == {EFFICIENT: 1}, _calls
     want = torch.stack([torch.func.grad(loss)(rel, x[i]) for i in range(n)])
@@ -303,7 +293,7 @@ def test_the_backward_regenerates_the_forwards_dropout_masks(reference_kernels):
         q = torch.einsum("btd,bde->bte", x, ws).view(n, T, H, e).transpose(1, 2)
         return _attend(EFFICIENT, q, q.sin(), q * 0.5, dropout_p=0.4).square().sum()
 
-    with _no_fallback(), batched_attention():
+    with no_functorch_fallback(), batched_attention():
         got = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0), randomness="different")(w, x)
     want = torch.func.grad(together)(w.expand(n, D, D).clone(), x)
     torch.testing.assert_close(got, want)
@@ -369,13 +359,13 @@ def test_dp_step_matches_the_loop_oracle_with_one_backward_call_per_layer(refere
     model = _model(kind)
     counts = []
     for p in (2, 6):
-        with _no_fallback():
+        with no_functorch_fallback():
             traced = trace_per_example_grads(model, _classify, _batch(p, 0), batched_positions=(0, 1, 2), physical_batch_size=p)
         counts.append(sum("attention_backward" in str(n.target) for n in traced.gm.graph.nodes))
     assert counts == [2, 2], counts  # a per-example fallback gives 2 P
 
     args = _batch(6, 1)
-    with _no_fallback():
+    with no_functorch_fallback():
         out = compile_dp(_classify, model=model, clipping_norm=0.05, physical_batch_size=4, backend="aot_eager")(*args)
     want, norms = loop_reference(model, _classify, args, 0.05)
     assert bool((norms > 0.05).any())
@@ -397,7 +387,7 @@ def test_meta_trace_of_the_real_kernels_holds_one_backward_per_layer(monkeypatch
     model = _model(EFFICIENT).float().to("meta")
     x, pad, y = _batch(6, 2)
     step = compile_dp(_classify, model=model, clipping_norm=1.0, physical_batch_size=6, backend="inductor")
-    with _no_fallback(), pytest.raises(_Lowered) as got:
+    with no_functorch_fallback(), pytest.raises(_Lowered) as got:
         step(x.float().to("meta"), pad.to("meta"), y.to("meta"))
     targets = [str(n.target) for n in got.value.args[0].graph.nodes]
     assert sum("efficient_attention_backward" in t for t in targets) == 2, targets
