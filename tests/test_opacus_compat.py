@@ -463,7 +463,12 @@ def test_one_noise_generator_gives_each_call_its_own_noise():
         (lambda out, y: F.cross_entropy(out, y) + out.std(), "mixes examples"),  # a batch statistic
         (lambda out, y: F.cross_entropy(out, y, weight=torch.tensor([1.0, 2.0, 3.0])), "mixes examples"),  # weighted mean
         (lambda out, y: F.cross_entropy(out, y, reduction="sum"), "loss_reduction='mean'"),  # not the declared reduction
-        (lambda out, y: F.cross_entropy(out, y, reduction="sum") / out.shape[0], "mixes examples"),  # a baked batch size
+        (lambda out, y: F.cross_entropy(out, y, reduction="sum") / out.shape[0], "scaled by 12"),  # a baked batch size
+        # The mean divided once more by the batch size: the mean of the per-example losses
+        # matches, but each one carries n (a newcomer's construction moved a sum by 1.88 C).
+        (lambda out, y: F.cross_entropy(out, y) / len(out), "scaled by 12"),
+        (lambda out, y: F.cross_entropy(out, y) * (1.0 / y.shape[0]), "scaled by 0.0833"),
+        (lambda out, y: F.cross_entropy(out, y).div(torch.tensor(float(y.numel()))), "scaled by 12.0"),
         (lambda out, y: F.cross_entropy(out, y) / F.cross_entropy(out, y).item(), "read out of the batch"),
         (lambda out, y: F.cross_entropy(out.view(12, 3), y), "one example at a time"),
     ],
@@ -480,6 +485,15 @@ def test_losses_that_mix_examples_are_refused(mode, make_loss, match):
         popt.step()
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
     assert popt.dp.steps == 0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_constant_factors_other_than_the_batch_size_are_kept(mode):
+    engine, model, pmodel, popt, criterion, loader = _private(mode, sigma=1.0, C=1.0)
+    x, y = next(iter(loader))
+    (0.5 * F.cross_entropy(pmodel(x), y) / 3.0 + 0.0 * pmodel(x).shape[1]).backward()
+    popt.step()
+    assert popt.dp.steps == 1
 
 
 def test_loss_reading_a_batch_statistic_without_batch_dim_refused():

@@ -32,6 +32,14 @@ __all__ = ["Program", "Tape", "TapeTensor", "check_separable"]
 # by a statistic of the whole batch.
 _DATA_SCALARS = {"item", "tolist", "__float__", "__int__", "__index__", "numpy", "__array__"}
 
+# Functions that scale a tensor by a number (a Python scalar or a one-element tensor).
+_SCALINGS = {
+    "__truediv__", "__rtruediv__", "__itruediv__", "__mul__", "__rmul__", "__imul__",
+    "div", "div_", "divide", "true_divide", "true_divide_", "mul", "mul_", "multiply",
+}
+# Reads of a recorded tensor's shape: the batch size can be read from the model output.
+_SHAPE_READS = {"size", "__len__", "numel", "__get__"}
+
 
 @dataclasses.dataclass(frozen=True)
 class _Ref:  # not a tuple: optree must treat it as a leaf
@@ -60,6 +68,7 @@ class Tape:
         ops, externals: the recorded operations and the tensors they read that do not derive
             from the output (labels, class weights).
         tainted: Python numbers read out of derived tensors (``.item()``, ``.tolist()``).
+        shape_read: a shape of a recorded tensor was read (``out.shape``, ``len(out)``).
         mixed: an operation combined this output with another forward's output.
         consumed: ``backward`` already ran on this tape.
     """
@@ -71,6 +80,7 @@ class Tape:
         self.externals: list[torch.Tensor] = []
         self._ext_ids: dict[int, int] = {}
         self.tainted: list[float] = []
+        self.shape_read = False
         self.mixed = False
         self.consumed = False
         self._next = 1
@@ -108,6 +118,8 @@ class Tape:
                 return type(out)(wrapped)
             except TypeError:
                 return tuple(wrapped)
+        if name in _SHAPE_READS:
+            self.shape_read = True
         if name in _DATA_SCALARS:
             self.tainted.extend(
                 float(v) for v in optree.tree_leaves(out) if isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -134,7 +146,9 @@ class Tape:
         used = sorted(
             {l.index for op in ops for l in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True) if isinstance(l, _Ext)}
         )
-        return Program(ops=tuple(ops), target=target._node, externals=tuple(used), tainted=tuple(self.tainted))
+        return Program(
+            ops=tuple(ops), target=target._node, externals=tuple(used), tainted=tuple(self.tainted), shape_read=self.shape_read
+        )
 
 
 class TapeTensor(torch.Tensor):
@@ -207,6 +221,7 @@ class Program:
     target: int
     externals: tuple[int, ...]  # indices into Tape.externals the program reads, in order
     tainted: tuple[float, ...]
+    shape_read: bool = False
 
     def __call__(self, output: torch.Tensor, externals: Sequence[torch.Tensor]) -> torch.Tensor:
         values: dict[int, Any] = {0: output}
@@ -253,6 +268,52 @@ class Program:
                         "example's gradient by a statistic of the whole batch, which mixes "
                         "examples. Keep such values out of the loss (detach()ed tensors are "
                         "fine: they are evaluated per example)."
+                    )
+
+
+    def check_batch_size(self, n: int, externals: Sequence[torch.Tensor]) -> None:
+        """Refuse a loss scaled by the batch size: a division by ``len(x)`` (or a product with
+        ``1 / x.size(0)``) is recorded as the constant ``n`` of this batch, so each example's
+        loss, evaluated alone, carries the size of the batch it came in. Removing one example
+        then changes every other example's gradient before clipping: a released sum moved by
+        1.88 C in a newcomer's construction, against the C the noise is for. The mean and sum
+        over the batch (``reduction=``, ``.mean()``) are fine: they are evaluated per example.
+
+        Which numbers are suspect: ``n`` and ``1 / n``, as a Python number or a one-element
+        tensor that scales (multiplies or divides) a value of the loss. From ``n = 2`` when the
+        loss read a shape of the model output or of a value derived from it; from ``n = 3``
+        otherwise (the batch size read from an input is not recorded, and a factor 2 or 1/2 is
+        too common a constant to refuse on its value alone at ``n = 2``).
+
+        Raises:
+            UnsupportedOperationError: such a constant, with the operation that uses it.
+        """
+        if n < (2 if self.shape_read else 3):
+            return
+        suspects = (float(n), 1.0 / n)
+        ext = dict(zip(self.externals, externals))
+
+        def number(leaf: Any) -> float | None:
+            if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
+                return float(ext[leaf.index].detach().reshape(()))
+            if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+                return float(leaf)
+            return None
+
+        for op in self.ops:
+            if getattr(op.func, "__name__", "") not in _SCALINGS:
+                continue
+            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                v = number(leaf)
+                if v is not None and any(abs(v - s) <= 1e-9 * s for s in suspects):
+                    raise UnsupportedOperationError(
+                        f"The loss is scaled by {v!r} in {_name(op.func)}, and this batch has {n} "
+                        f"examples ({v!r} is {'n' if abs(v - n) <= 1e-9 * n else '1 / n'}): a loss divided by "
+                        "the batch size (len(x), x.size(0)) makes each example's gradient depend on how "
+                        "many others came with it, which breaks the sensitivity bound. Use the mean or "
+                        "sum over the batch (reduction='mean' or 'sum', .mean()) and declare it with "
+                        "loss_reduction. If this number is a constant unrelated to the batch size, "
+                        "scale the loss by another form of it (a product of two factors)."
                     )
 
 
