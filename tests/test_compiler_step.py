@@ -1298,3 +1298,30 @@ def test_argument_structure_dtype_and_kind_are_public_too():
     step(torch.randn(n, d), 0.5)
     with pytest.raises(UnsupportedOperationError, match=r"Argument leaf 1 is an unbatched tensor where it was a constant"):
         step(torch.randn(n, d), torch.tensor(0.5))
+
+
+# ------------------------------------------------------------------ tensor hooks on parameters
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_tensor_hook_on_a_trainable_parameter_is_refused_before_and_between_calls(kind):
+    # The step's gradients come from its traced graph, which tensor hooks never reach: a hook
+    # zeroing a gradient left the sums bit for bit unchanged (a newcomer's review).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    hook = lambda *a: None  # noqa: E731
+    handle = getattr(model[2].weight, kind)(hook)
+    with pytest.raises(UnsupportedOperationError, match="'2.weight' has a tensor hook"):
+        compile_dp(loss, model=model, clipping_norm=1.0, backend=None)(x, y)
+    handle.remove()
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    first = step(x, y).clipped.grads
+    handle = getattr(model[0].bias, kind)(hook)  # after a call: the cached reading must see it
+    with pytest.raises(UnsupportedOperationError, match="'0.bias' has a tensor hook"):
+        step(x, y)
+    handle.remove()
+    again = step(x, y).clipped.grads
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    getattr(model[2].weight, kind)(hook)
+    model[2].weight.requires_grad_(False)  # a frozen parameter's hook is never reached either way
+    assert set(step(x, y).clipped.grads) == {"0.weight", "0.bias", "2.bias"}

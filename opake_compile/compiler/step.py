@@ -982,6 +982,23 @@ _STORES = (operator.attrgetter("_parameters"), operator.attrgetter("_buffers"), 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _DTYPE = operator.attrgetter("dtype")
 _SHAPE = operator.attrgetter("shape")
+_TENSOR_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")  # None or a dict each
+
+
+def _refuse_tensor_hooks(params: dict[str, torch.Tensor]) -> None:
+    """Raise if a trainable parameter carries a tensor hook (``register_hook``,
+    ``register_post_accumulate_grad_hook``): the step's gradients come from its traced graph,
+    which no such hook reaches, so a hook that masks or rescales a gradient would be ignored
+    without a word (a newcomer's review: a zeroing hook left the sums bit for bit unchanged)."""
+    for name, p in params.items():
+        if p.requires_grad and any(_TENSOR_HOOKS(p)):
+            raise UnsupportedOperationError(
+                f"Parameter {name!r} has a tensor hook (Tensor.register_hook or "
+                "register_post_accumulate_grad_hook): compile_dp computes per-example gradients "
+                "from the traced graph, which tensor hooks do not reach, so the hook would be "
+                "ignored. Remove it (handle.remove()) and write what it does into the model or the "
+                "loss (a mask on the weight in forward), or freeze the parameter."
+            )
 
 
 def _entries(modules: tuple[nn.Module, ...]) -> tuple[Any, ...]:
@@ -1329,6 +1346,7 @@ class _ModelView:
     def read(cls, model: nn.Module, programs: _Programs | None = None) -> "_ModelView":
         """Walk ``model``; ``programs`` numbers its :func:`_program` (0 without it)."""
         params, buffers, modules = _walk(model)
+        _refuse_tensor_hooks(params)
         program = _program(modules, None if programs is None else programs.loss)
         number = 0 if programs is None else programs.number(program, model)
         modes = tuple(map(_TRAINING, modules))
@@ -1370,6 +1388,7 @@ class _ModelView:
         grads, dtypes, shapes, device = self.meta
         return (
             tuple(map(_REQUIRES_GRAD, tensors)) == grads
+            and not any(chain.from_iterable(map(_TENSOR_HOOKS, tensors)))
             and tuple(map(_DTYPE, tensors)) == dtypes
             and tuple(map(_SHAPE, tensors)) == shapes
             and (not tensors or tensors[0].device == device)
