@@ -94,7 +94,7 @@ from opake_compile import pytree as _pytree
 from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import SOURCES, ClippedPytree, check_not_released, sum_tensors
+from opake_compile.dpsgd._types import SOURCES, ClippedPytree, check_not_released, reseal, sum_tensors
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 from opake_compile.optim import accumulate
 from opake_compile.sampling import PoissonSampler
@@ -414,6 +414,8 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
         num_nonfinite=int(counts[1]),
         num_ranks=get_world_size(),
     )
+    if in_place:
+        reseal(out)  # the library's own in-place reduction
     SOURCES[out] = tuple(sum_tensors(clipped))  # released with the global sum
     return out
 

@@ -524,3 +524,31 @@ def test_dpsgd_reexports():
     assert acc.dpsgd_step_process(1.0, 0.01, dataset_size=100, truncated_batch_size=3) == acc.poisson(
         acc.gaussian(1.0), 0.01, truncated_batch_size=3, dataset_size=100
     )
+
+
+def test_calibrate_reads_a_process_no_accountant_can_evaluate_as_over_budget(monkeypatch):
+    """A newcomer's calibrate over sigma in [0.01, 0.02] raised ConfigurationError around a
+    MemoryError (a PLD grid of 53.6 GiB): such a parameter spends more than any budget, so the
+    search moves past it, and a range of nothing else raises CalibrationError."""
+    from opake_compile.accounting._accountant import UnevaluableProcessError
+    from opake_compile.exceptions import CalibrationError
+
+    budget = acc.epsilon_budget(2.0, delta=1e-5)
+    asked: list[float] = []
+
+    def make(sigma):
+        asked.append(sigma)
+        return acc.dpsgd_step_process(sigma, sample_rate=0.01) * 100
+
+    real = type(budget).spent
+
+    def spent(self, process, accountant):
+        if asked[-1] < 0.45:  # stands in for dp-accounting's MemoryError on a huge grid
+            raise UnevaluableProcessError("a grid too large to allocate")
+        return real(self, process, accountant)
+
+    monkeypatch.setattr(type(budget), "spent", spent)
+    result = acc.calibrate(budget, make, 0.3, 10.0)
+    assert 0.45 <= result.param and result.epsilon <= 2.0
+    with pytest.raises(CalibrationError, match="inf"):
+        acc.calibrate(budget, make, 0.3, 0.4)

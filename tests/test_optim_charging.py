@@ -780,3 +780,36 @@ def test_the_noise_bound_reads_the_gradient_after_division_in_half_precision():
             with pytest.raises(ConfigurationError, match="overflows"):
                 opt.step(clipped, draw=b)
             assert opt.steps == 0
+
+
+# ---------------------------------------------------------------- sums edited after they were made
+@pytest.mark.parametrize(
+    "edit",
+    ["in place", "entry replaced", "entry added", "entry removed"],
+)
+def test_a_sum_edited_after_it_was_made_is_refused_and_nothing_changes(edit):
+    """A newcomer's review: ``clipped.grads[k].mul_(1e4)`` reached the parameters with noise for
+    C, and so did an entry swapped in the (mutable) dict. Both are refused at the step, by the
+    sum's version counter and the tensors the result was built with; a result left alone then
+    steps as usual."""
+    params, sampler, opt, x, y = _setup()
+    idx = next(iter(sampler))
+    clipped = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    k = next(iter(clipped.grads))
+    if edit == "in place":
+        clipped.grads[k].mul_(1e4)
+    elif edit == "entry replaced":
+        clipped.grads[k] = clipped.grads[k] * 1e4
+    elif edit == "entry added":
+        clipped.grads["extra"] = torch.zeros(1)
+    else:
+        del clipped.grads[k]
+    before = _state(params, opt)
+    with pytest.raises(ConfigurationError, match="changed in place|were edited"):
+        opt.step(clipped, draw=idx)
+    _same(before, _state(params, opt))
+    with pytest.raises(ConfigurationError, match="changed in place|were edited"):
+        opake.optim.accumulate([clipped])  # not laundered into a new sum either
+    fresh = _clipped_sum(params, x[list(idx)], y[list(idx)])
+    opt.step(fresh, draw=idx)
+    assert opt.steps == 1

@@ -24,6 +24,12 @@ from opake_compile.exceptions import ConfigurationError, InputTypeError, OpakeEr
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+class UnevaluableProcessError(ConfigurationError):
+    """An accountant could not evaluate a process (a PLD grid too large to allocate, an
+    overflow): its privacy loss is too large to compute. ``calibrate`` reads it as a parameter
+    that spends more than any budget."""
+
+
 def _numerical_failures(query: _F) -> _F:
     """Report dp-accounting's numerical failures (a PLD grid too large to allocate, an
     overflow) as ConfigurationError naming the process, rather than as NumPy's or Python's own
@@ -38,7 +44,7 @@ def _numerical_failures(query: _F) -> _F:
         except OpakeError:
             raise
         except (ValueError, MemoryError, OverflowError, FloatingPointError, ZeroDivisionError) as err:
-            raise ConfigurationError(
+            raise UnevaluableProcessError(
                 f"{self!r} could not evaluate {process!r} ({type(err).__name__}: {err}); a noise "
                 "multiplier this small spends an epsilon too large to compute: raise it, or ask "
                 "Accountant('rdp') (an upper bound that needs no grid)."

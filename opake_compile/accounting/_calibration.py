@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from opake_compile._validate import NotPrivateWarning, _as_float
-from opake_compile.accounting._accountant import Accountant, _check_process, coarse_interval
+from opake_compile.accounting._accountant import Accountant, UnevaluableProcessError, _check_process, coarse_interval
 from opake_compile.accounting._budgets import DeltaBudget, EpsilonBudget, PrivacyBudget
 from opake_compile.accounting._process import PrivacyProcess, _resolve
 from opake_compile.exceptions import CalibrationError, ConfigurationError, InputTypeError
@@ -243,7 +243,10 @@ class _Search:
             warnings.simplefilter("ignore", NotPrivateWarning)
             process = _check_process(self.make_process(param), name="make_process(param)")
         self.evaluations += 1
-        return process, float(self.budget.spent(process, acc))
+        try:
+            return process, float(self.budget.spent(process, acc))
+        except UnevaluableProcessError:  # a loss too large to compute: more than any budget
+            return process, math.inf
 
 
 def _rdp_bracket(search: _Search, lo: float, hi: float, increasing: bool | None) -> tuple[float, float, bool | None]:

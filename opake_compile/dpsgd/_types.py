@@ -156,13 +156,56 @@ def sum_tensors(clipped: "ClippedPytree") -> list[Any]:
 
 
 def check_not_released(clipped: "ClippedPytree", what: str) -> None:
-    """Refuse ``clipped`` if it, or a sum it was made from, was released before."""
+    """Refuse ``clipped`` if it, or a sum it was made from, was released before, or if one of
+    its sums was changed in place since it was made (:func:`check_unchanged`)."""
     if any(_was_released(t) for t in sum_tensors(clipped)):
         raise ConfigurationError(
             f"{what} was already released (by a DPOptimizer step or gaussian_noise): a second noisy "
             "release of the same clipped sum is two views of one sample, not a new Poisson step. "
             "Compute a new clipped sum on a new draw."
         )
+    check_unchanged(clipped, what)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def check_unchanged(clipped: "ClippedPytree", what: str) -> None:
+    """Refuse ``clipped`` if one of its sum tensors was changed in place (``mul_``, ``add_``,
+    an indexed assignment) after the first ``ClippedPytree`` built around it sealed it: the
+    noise is calibrated to the clipping norm of the sum as it was made, and a sum scaled by
+    10^4 in place reached the parameters with noise for C (a newcomer's review)."""
+    built = clipped.__dict__.get(_SUMS)
+    now = _tensors(clipped.grads)
+    if built is not None and (len(built) != len(now) or any(a is not b for a, b in zip(built, now))):
+        raise ConfigurationError(
+            f"{what}: its grads were edited after it was made (an entry replaced, added or "
+            "removed): the noise is calibrated to the sums the library made. Compute a new clipped "
+            "sum; to transform the update, wrap the optimizer or edit the parameters after the step."
+        )
+    items = clipped.grads.items() if isinstance(clipped.grads, dict) else enumerate(now)
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            continue
+        sealed = t.__dict__.get(_SEALED)
+        if sealed is not None and _version(t) != sealed:
+            raise ConfigurationError(
+                f"{what}: its sum {name!r} was changed in place after it was made (version "
+                f"{sealed} -> {_version(t)}): the noise is calibrated to the clipping norm of the sum "
+                "as made, not to an edited one. Compute a new clipped sum; to transform the update, "
+                "wrap the optimizer or edit the parameters after the step."
+            )
+
+
+def reseal(clipped: "ClippedPytree") -> None:
+    """Record the current version of ``clipped``'s sums (after the library itself has changed
+    them in place: ``sum_gradients_``)."""
+    for t in _tensors(clipped.grads):
+        t.__dict__[_SEALED] = _version(t)
 
 
 def mark_sum_released(clipped: "ClippedPytree") -> None:
@@ -261,10 +304,14 @@ class ClippedPytree(DPOutput):
                 fresh.append(t)
             elif held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw):
                 self._check_made_with(held)  # (the same fields pass without the detailed test)
+        # The sum tensors themselves, so that an entry of ``grads`` swapped later (the dict stays
+        # mutable) is seen by check_unchanged.
+        object.__setattr__(self, _SUMS, tuple(_tensors(self.grads)))
         if fresh:
             made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw)
             for t in fresh:
                 t.__dict__[_MADE] = made
+                t.__dict__[_SEALED] = _version(t)
 
     def _check_made_with(self, held: tuple) -> None:
         c0, nb0, rel0, rec0, draw0 = held
@@ -294,6 +341,10 @@ class ClippedPytree(DPOutput):
 # of the first ClippedPytree built around it (see ClippedPytree.__post_init__). On the tensor,
 # so that it lives exactly as long as the sum; a clone is a new sum.
 _MADE = "_opake_made_with"
+# The version counter of each sum tensor when it was made (see check_unchanged).
+_SEALED = "_opake_sealed_version"
+# On each ClippedPytree: the sum tensors it was built with (see check_unchanged).
+_SUMS = "_opake_sums"
 
 
 def lock_releases(clipped: ClippedPytree) -> None:

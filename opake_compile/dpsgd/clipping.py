@@ -83,6 +83,11 @@ def clip_pytree(tree: Any, clipping_norm: Any) -> tuple[Any, torch.Tensor]:
 
     Every leaf is scaled by the same factor ``s = min(1, C / ||tree||)``, where ``||tree||`` is
     :func:`opake_compile.pytree.global_norm`. A tree already within C comes back unchanged.
+    The scaled leaves are rounded in their dtype, so the clipped tree's norm may exceed C by
+    that rounding: about eps relatively, and more where entries fall into the subnormal range
+    (float16 entries below 6.1e-5 round on a grid of 6e-8). This is the plain primitive; the
+    released sums of ``clipped_grad`` and ``compile_dp`` clip below C by a margin that covers
+    their rounding (``compiler/passes/numerics.py``).
 
     Args:
         tree: a pytree of tensors of any shapes and floating dtypes.
