@@ -306,8 +306,19 @@ def _inplace_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict:
         and inplace.num_examples == copy_form.num_examples == 8
         and all(id(inplace.grads[k]) == grads_ids[k] for k in grads_ids)
         and all(torch.equal(inplace.grads[k], copy_form.grads[k]) for k in copy_form.grads)
+        and _releasable(inplace)  # its own in-place reduction is not an edit of the sums
     )
     return out
+
+
+def _releasable(clipped) -> bool:
+    from opake_compile.dpsgd._types import check_release
+
+    try:
+        check_release(clipped)
+    except ConfigurationError:
+        return False
+    return True
 
 
 def _pure_noise_steps(model: nn.Module, opt: DPOptimizer, k: int) -> None:
