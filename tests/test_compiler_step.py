@@ -409,6 +409,36 @@ def test_batchnorm_without_running_stats_refused_in_eval_mode_too():
         compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
 
 
+class _RunningMean(nn.Module):
+    """A hand-written running statistic: a buffer updated in place from the batch in forward."""
+
+    def __init__(self, into_bias: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+        self.into_bias = into_bias
+        self.register_buffer("mu", torch.zeros(8))
+
+    def forward(self, x):  # noqa: ANN001, ANN201
+        with torch.no_grad():
+            if self.into_bias:
+                self.lin.bias.add_(x[:, :3].sum(0))
+            else:
+                self.mu.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin(x - self.mu)
+
+
+@pytest.mark.parametrize("into_bias", [False, True], ids=["buffer", "parameter"])
+def test_a_forward_writing_the_batch_into_shared_state_is_refused_saying_so(into_bias):
+    # It was refused as "a shape or dtype mismatch: check the order of the step's arguments"
+    # (a newcomer's review); the message now names the in-place write into shared state.
+    model = _RunningMean(into_bias)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend=None)
+    with pytest.raises(UnsupportedOperationError, match="writes values computed from the examples into a tensor they all share"):
+        step(torch.randn(6, 8, generator=seeded(3)), torch.tensor([0, 1, 2, 0, 1, 2]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_data_dependent_control_flow_refused():
     case = mlp_case(seed=0)
 

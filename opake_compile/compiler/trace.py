@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -447,6 +448,24 @@ def _looks_like_an_argument_error(err: BaseException) -> bool:
     )
 
 
+_SHARED_WRITE = re.compile(
+    r"output with shape (?:torch\.Size\()?\[([\d, ]*)\]\)? doesn't match the broadcast shape (?:torch\.Size\()?[\[(](\d+),? ?([\d, ]*)[\])]"
+)
+
+
+def _writes_into_shared_state(err: BaseException, physical_batch_size: int) -> bool:
+    """Whether a tracing failure is an in-place write of per-example values into a tensor that
+    all examples share (a buffer or parameter updated inside forward): under ``vmap`` the
+    target has the shape of one example's value while the written value has the examples in
+    front (``output with shape [8] doesn't match the broadcast shape [P, 8]``), or functorch
+    says so itself."""
+    text = str(err)
+    if "inplace arithmetic" in text and "vmap" in text:
+        return True
+    m = _SHARED_WRITE.search(text)
+    return bool(m and int(m.group(2)) == physical_batch_size and m.group(1).replace(" ", "") == m.group(3).replace(" ", ""))
+
+
 def trace_per_example_grads(
     model: nn.Module,
     loss_fn: Callable[..., Any],
@@ -567,6 +586,16 @@ def trace_per_example_grads(
         raise
     except Exception as err:  # noqa: BLE001 - re-raised with context, never swallowed
         where = _failing_module(model, err)
+        if _writes_into_shared_state(err, physical_batch_size):
+            raise UnsupportedOperationError(
+                f"Could not trace the per-example gradient of loss_fn{where}: {type(err).__name__}: {err}. "
+                "The forward writes values computed from the examples into a tensor they all share, "
+                "in place (a buffer or parameter updated inside forward, such as a running "
+                "statistic). compile_dp evaluates the loss one example at a time, and state "
+                "updated from the batch would also leave the step holding data that no noise "
+                "covers: keep such updates out of the forward while training privately (or skip "
+                "them when torch.compiler.is_compiling())."
+            ) from err
         if _looks_like_an_argument_error(err):
             raise UnsupportedOperationError(
                 f"Could not trace the per-example gradient of loss_fn{where}: {type(err).__name__}: {err}. "
