@@ -320,6 +320,13 @@ class DPStep:
         if fixed is not None:
             # One graph sums at most MAX_FLOAT32_SUM_ROWS rows (numerical contract): a larger
             # physical batch runs as chunks of that size, their sums added in float64.
+            if fixed > _num.MAX_FLOAT32_SUM_ROWS:
+                warnings.warn(
+                    f"physical_batch_size={fixed} is above the {_num.MAX_FLOAT32_SUM_ROWS} rows one graph "
+                    f"may sum (a float32 sum of more examples rounds past the clipping slack): batches "
+                    f"run in chunks of {_num.MAX_FLOAT32_SUM_ROWS}, their sums added in float64.",
+                    stacklevel=3,
+                )
             fixed = min(fixed, _num.MAX_FLOAT32_SUM_ROWS)
         self._plan = _SizePlan(fixed, check_positive_int(max_physical_sizes, name="max_physical_sizes"))
         self.backend = backend
