@@ -99,9 +99,12 @@ def test_broadcast_argument_with_batch_argnums():
     out = step(x, w, y)
     want = reference_clipped(case.model, loss, (x, w, y), 0.2, batch_argnums=(0, 2))
     assert_trees_close(out.clipped.grads, want.grads, torch.float64)
-    # A batch_argnums position beyond the arguments is a configuration error.
-    bad = compile_dp(loss, model=case.model, clipping_norm=0.2, batch_argnums=(0, 5), backend=None)
-    with pytest.raises(ConfigurationError):
+    # A batch_argnums position beyond the arguments is a configuration error: at compile_dp when
+    # the loss's signature says how many it takes, at the first call otherwise.
+    with pytest.raises(ConfigurationError, match=r"takes 3 after the model"):
+        compile_dp(loss, model=case.model, clipping_norm=0.2, batch_argnums=(0, 5), backend=None)
+    bad = compile_dp(lambda m, *a: loss(m, *a), model=case.model, clipping_norm=0.2, batch_argnums=(0, 5), backend=None)
+    with pytest.raises(ConfigurationError, match="names argument"):
         bad(x, w, y)
 
 

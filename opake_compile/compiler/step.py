@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import dis
 import functools
+import inspect
 import itertools
 import math
 import operator
@@ -315,6 +316,13 @@ class DPStep:
             batch_argnums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in batch_argnums):
                 raise InputTypeError(f"Expected batch_argnums to be non-negative ints, got {batch_argnums!r}.")
+            most = _max_batch_args(loss_fn)
+            if most is not None and max(batch_argnums, default=-1) >= most:
+                raise ConfigurationError(
+                    f"batch_argnums={batch_argnums!r} names argument(s) loss_fn does not take: it takes "
+                    f"{most} after the model (loss_fn(model, *args); batch_argnums counts from the first "
+                    "argument after the model)."
+                )
         self._batch_argnums: tuple[int, ...] | None = batch_argnums
         fixed = None if physical_batch_size is None else check_positive_int(physical_batch_size, name="physical_batch_size")
         if fixed is not None:
@@ -951,6 +959,19 @@ class _Repeat:
     view: "_ModelView"
     ieee: bool
     graphs: dict[int, _Compiled]
+
+
+def _max_batch_args(loss_fn: Callable[..., Any]) -> int | None:
+    """How many positional arguments ``loss_fn`` takes after the model, or ``None`` when its
+    signature cannot say (``*args``, a builtin, no signature)."""
+    try:
+        params = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return max(len(positional) - 1, 0)
 
 
 def _walk(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], tuple[nn.Module, ...]]:
