@@ -680,3 +680,29 @@ def test_batches_sharing_one_storage_still_train():
         popt.zero_grad()
         stepped += 1
     assert stepped == len(loader) and popt.dp.steps == stepped
+
+
+def test_a_constant_equal_to_one_batch_size_is_cleared_once_another_size_was_seen():
+    """Poisson batch sizes vary: a real constant (here / 8.0 at an expected batch of 8) equals
+    some step's n by chance. It is refused only before a batch of another size showed it
+    fixed (a reviewer saw random refusals mid-training without that); / len(x) is refused at
+    every step."""
+    engine, model, pmodel, popt, criterion, loader = _private("ghost", n=48, batch_size=8, sigma=1.0, C=1.0)
+    refused, accepted = [], []
+    for _ in range(4):
+        for x, y in loader:
+            try:
+                (F.cross_entropy(pmodel(x), y) / 8.0).backward()
+            except UnsupportedOperationError as err:
+                assert "scaled by 8.0" in str(err)
+                refused.append((len(accepted), len(x)))
+                continue
+            popt.step()
+            popt.zero_grad()
+            accepted.append(len(x))
+    first_other = next(i for i, m in enumerate(accepted) if m != 8)
+    assert all(at <= first_other for at, _ in refused), (refused, accepted)
+    assert 8 in accepted[first_other:], accepted  # a batch of 8 stepped after the evidence
+    x, y = next(iter(loader))
+    with pytest.raises(UnsupportedOperationError, match="is 1 / n"):
+        (F.cross_entropy(pmodel(x), y) * (1.0 / len(x))).backward()

@@ -17,9 +17,11 @@ values and refuses a loss that mixes examples (or whose reduction is not the dec
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 
@@ -37,8 +39,10 @@ _SCALINGS = {
     "__truediv__", "__rtruediv__", "__itruediv__", "__mul__", "__rmul__", "__imul__",
     "div", "div_", "divide", "true_divide", "true_divide_", "mul", "mul_", "multiply",
 }
-# Reads of a recorded tensor's shape: the batch size can be read from the model output.
-_SHAPE_READS = {"size", "__len__", "numel", "__get__"}
+# Reads of a recorded tensor's shape: the batch size can be read from the model output
+# (``out.shape`` reaches __torch_function__ as the ``shape`` getter's ``__get__``).
+_SHAPE_READS = {"size", "__len__", "numel"}
+_SHAPE_GETTERS = {"shape"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +122,7 @@ class Tape:
                 return type(out)(wrapped)
             except TypeError:
                 return tuple(wrapped)
-        if name in _SHAPE_READS:
+        if name in _SHAPE_READS or (name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _SHAPE_GETTERS):
             self.shape_read = True
         if name in _DATA_SCALARS:
             self.tainted.extend(
@@ -271,7 +275,36 @@ class Program:
                     )
 
 
-    def check_batch_size(self, n: int, externals: Sequence[torch.Tensor]) -> None:
+    def scaling_constants(self, externals: Sequence[torch.Tensor]) -> tuple[Any, list[tuple[int, float, float]]]:
+        """``(structure, constants)``: the program with its numbers masked (a key that is the
+        same at every step of one loss), and each number that scales a value of the loss (a
+        real number, or a one-element tensor it reads) as ``(position, value, relative
+        tolerance)``, the tolerance that of the number's dtype."""
+        ext = dict(zip(self.externals, externals))
+        found: list[tuple[int, float, float]] = []
+        position = 0
+
+        def mask(leaf: Any) -> Any:
+            return _NUMBER if _real(leaf) else leaf
+
+        structure = []
+        for op in self.ops:
+            scaling = getattr(op.func, "__name__", "") in _SCALINGS
+            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                if not scaling:
+                    continue
+                if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
+                    t = ext[leaf.index]
+                    tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
+                    found.append((position, float(t.detach().reshape(())), tol))
+                elif _real(leaf):
+                    found.append((position, float(leaf), 1e-9))
+                position += 1
+            masked = optree.tree_map(mask, (op.args, op.kwargs), none_is_leaf=True)
+            structure.append((op.func, repr(masked), op.outs))
+        return (tuple(structure), self.target, self.externals), found
+
+    def check_batch_size(self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any]) -> None:
         """Refuse a loss scaled by the batch size: a division by ``len(x)`` (or a product with
         ``1 / x.size(0)``) is recorded as the constant ``n`` of this batch, so each example's
         loss, evaluated alone, carries the size of the batch it came in. Removing one example
@@ -279,42 +312,50 @@ class Program:
         1.88 C in a newcomer's construction, against the C the noise is for. The mean and sum
         over the batch (``reduction=``, ``.mean()``) are fine: they are evaluated per example.
 
-        Which numbers are suspect: ``n`` and ``1 / n``, as a Python number or a one-element
-        tensor that scales (multiplies or divides) a value of the loss. From ``n = 2`` when the
-        loss read a shape of the model output or of a value derived from it; from ``n = 3``
-        otherwise (the batch size read from an input is not recorded, and a factor 2 or 1/2 is
-        too common a constant to refuse on its value alone at ``n = 2``).
+        Which numbers are suspect: ``n`` and ``1 / n`` (within the number's rounding), as a real
+        number or a one-element tensor that scales (multiplies or divides) a value of the loss,
+        from ``n = 2`` when the loss read the shape of the model output or of a value derived
+        from it, from ``n = 3`` otherwise (a batch size read from an input is not recorded, and
+        a factor 2 or 1/2 is too common to refuse on its value alone). A number is cleared for
+        good once it kept its value at a step of another batch size (``history``, kept by the
+        caller per loss structure): a constant that happens to equal one step's n is refused
+        only if that step comes before any such evidence, at the first steps of a run.
 
         Raises:
             UnsupportedOperationError: such a constant, with the operation that uses it.
         """
-        if n < (2 if self.shape_read else 3):
-            return
-        suspects = (float(n), 1.0 / n)
-        ext = dict(zip(self.externals, externals))
+        key, found = self.scaling_constants(externals)
+        last_n, last_values, cleared = history.get(key, (None, {}, frozenset()))
+        values = {pos: v for pos, v, _ in found}
+        if last_n is not None and last_n != n:
+            cleared = cleared | {pos for pos, v in values.items() if last_values.get(pos) == v}
+        if n >= (2 if self.shape_read else 3):
+            for pos, v, tol in found:
+                if pos in cleared:
+                    continue
+                for suspect, what in ((float(n), "n"), (1.0 / n, "1 / n")):
+                    if abs(v - suspect) <= tol * suspect:
+                        raise UnsupportedOperationError(
+                            f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
+                            "loss divided by the batch size (len(x), x.size(0)) makes each example's "
+                            "gradient depend on how many others came with it, which breaks the "
+                            "sensitivity bound. Use the mean or sum over the batch (reduction='mean' "
+                            "or 'sum', .mean()) and declare it with loss_reduction. A constant that "
+                            "only happens to equal this batch's size is cleared once a batch of "
+                            "another size has been seen: this draw is charged at the next step, and "
+                            "the loop may go on with the next batch."
+                        )
+        history[key] = (n, values, cleared)
 
-        def number(leaf: Any) -> float | None:
-            if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
-                return float(ext[leaf.index].detach().reshape(()))
-            if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-                return float(leaf)
-            return None
 
-        for op in self.ops:
-            if getattr(op.func, "__name__", "") not in _SCALINGS:
-                continue
-            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
-                v = number(leaf)
-                if v is not None and any(abs(v - s) <= 1e-9 * s for s in suspects):
-                    raise UnsupportedOperationError(
-                        f"The loss is scaled by {v!r} in {_name(op.func)}, and this batch has {n} "
-                        f"examples ({v!r} is {'n' if abs(v - n) <= 1e-9 * n else '1 / n'}): a loss divided by "
-                        "the batch size (len(x), x.size(0)) makes each example's gradient depend on how "
-                        "many others came with it, which breaks the sensitivity bound. Use the mean or "
-                        "sum over the batch (reduction='mean' or 'sum', .mean()) and declare it with "
-                        "loss_reduction. If this number is a constant unrelated to the batch size, "
-                        "scale the loss by another form of it (a product of two factors)."
-                    )
+_NUMBER = "<number>"
+
+
+def _real(leaf: Any) -> bool:
+    """A real number (Python or NumPy scalar), not a bool."""
+    return isinstance(leaf, (numbers.Real, np.generic)) and not isinstance(leaf, (bool, np.bool_)) and not isinstance(
+        leaf, (complex, np.complexfloating)
+    )
 
 
 def _name(func: Any) -> str:
