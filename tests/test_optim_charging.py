@@ -813,3 +813,26 @@ def test_a_sum_edited_after_it_was_made_is_refused_and_nothing_changes(edit):
     fresh = _clipped_sum(params, x[list(idx)], y[list(idx)])
     opt.step(fresh, draw=idx)
     assert opt.steps == 1
+
+
+def test_nested_sums_of_an_eager_result_are_sealed_and_released_once():
+    """``clipped_grad`` on a nested dict of parameters: the nested sums were never marked (only
+    a dict's top level was read), so an edited nested sum and a second release were accepted."""
+    params = {"enc": {"w": torch.randn(3, 4, generator=torch.Generator().manual_seed(0))}, "dec": {"b": torch.zeros(3)}}
+
+    def loss(p, x, y):
+        return ((x @ p["enc"]["w"].T + p["dec"]["b"] - y) ** 2).sum()
+
+    fn, st = clipped_grad(loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 3, generator=torch.Generator().manual_seed(2))
+    noise_fn, ns = opake.dpsgd.gaussian_noise(1.0, opake.random.key(0))
+    edited, st = fn(params, x, y, state=st)
+    edited.grads["enc"]["w"].mul_(1e4)
+    with pytest.raises(ConfigurationError, match="'enc/w' was changed in place"):
+        noise_fn(edited, ns)
+    clean, st = fn(params, x, y, state=st)
+    _, ns = noise_fn(clean, ns)
+    with pytest.raises(ConfigurationError, match="already released"):
+        noise_fn(clean, ns)
+    with pytest.raises(ConfigurationError, match="below the 1.0"):
+        dataclasses.replace(clean, clipping_norm=0.01)

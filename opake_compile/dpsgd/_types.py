@@ -187,7 +187,11 @@ def check_unchanged(clipped: "ClippedPytree", what: str) -> None:
             "removed): the noise is calibrated to the sums the library made. Compute a new clipped "
             "sum; to transform the update, wrap the optimizer or edit the parameters after the step."
         )
-    items = clipped.grads.items() if isinstance(clipped.grads, dict) else enumerate(now)
+    if isinstance(clipped.grads, dict) and all(isinstance(v, torch.Tensor) for v in clipped.grads.values()):
+        items = clipped.grads.items()
+    else:
+        paths, leaves, _ = optree.tree_flatten_with_path(clipped.grads, none_is_leaf=True)
+        items = [("/".join(map(str, path)), t) for path, t in zip(paths, leaves)]
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             continue
@@ -358,10 +362,12 @@ def lock_releases(clipped: ClippedPytree) -> None:
 
 
 def _tensors(grads: Any) -> list[torch.Tensor]:
-    if isinstance(grads, dict):
-        return [v for v in grads.values() if isinstance(v, torch.Tensor)]
+    """Every tensor of ``grads``, nested dicts included (an eager ``clipped_grad`` on a nested
+    dict of parameters: only the top level was read, so its nested sums were never marked)."""
     if isinstance(grads, torch.Tensor):
         return [grads]
+    if isinstance(grads, dict) and all(isinstance(v, torch.Tensor) for v in grads.values()):
+        return list(grads.values())  # compile_dp's flat dict, without a tree walk
     return [v for v in optree.tree_leaves(grads, none_is_leaf=True) if isinstance(v, torch.Tensor)]
 
 
