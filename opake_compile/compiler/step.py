@@ -965,7 +965,9 @@ def _max_batch_args(loss_fn: Callable[..., Any]) -> int | None:
     """How many positional arguments ``loss_fn`` takes after the model, or ``None`` when its
     signature cannot say (``*args``, a builtin, no signature)."""
     try:
-        params = list(inspect.signature(loss_fn).parameters.values())
+        # The function called, not what functools.wraps says it wraps: a decorator may add
+        # arguments.
+        params = list(inspect.signature(loss_fn, follow_wrapped=False).parameters.values())
     except (TypeError, ValueError):
         return None
     if any(p.kind is p.VAR_POSITIONAL for p in params):
@@ -1369,6 +1371,7 @@ class _ModelView:
     tensors: tuple[torch.Tensor, ...]
     meta: tuple[tuple[bool, ...], tuple[torch.dtype, ...], tuple[torch.Size, ...], Any]
     program: tuple
+    trainable_tensors: tuple[torch.Tensor, ...] = ()  # whose tensor hooks still_holds reads
 
     @classmethod
     def read(cls, model: nn.Module, programs: _Programs | None = None) -> "_ModelView":
@@ -1397,6 +1400,7 @@ class _ModelView:
             tensors=tensors,
             meta=(grads, dtypes, shapes, device),
             program=program,
+            trainable_tensors=tuple(t for t, g in zip(tensors, grads) if g),
         )
 
     def still_holds(self, model: nn.Module, loss: _LossReader | None = None) -> bool:
@@ -1416,7 +1420,7 @@ class _ModelView:
         grads, dtypes, shapes, device = self.meta
         return (
             tuple(map(_REQUIRES_GRAD, tensors)) == grads
-            and not any(chain.from_iterable(map(_TENSOR_HOOKS, tensors)))
+            and not any(chain.from_iterable(map(_TENSOR_HOOKS, self.trainable_tensors)))
             and tuple(map(_DTYPE, tensors)) == dtypes
             and tuple(map(_SHAPE, tensors)) == shapes
             and (not tensors or tensors[0].device == device)

@@ -198,10 +198,11 @@ def check_unchanged(clipped: "ClippedPytree", what: str) -> None:
         sealed = t.__dict__.get(_SEALED)
         if sealed is not None and _version(t) != sealed:
             raise ConfigurationError(
-                f"{what}: its sum {name!r} was changed in place after it was made (version "
-                f"{sealed} -> {_version(t)}): the noise is calibrated to the clipping norm of the sum "
-                "as made, not to an edited one. Compute a new clipped sum; to transform the update, "
-                "wrap the optimizer or edit the parameters after the step."
+                f"{what}: its sum {name!r} was changed in place after it was made, or is a copy of "
+                f"such a sum (deepcopy, pickle, torch.load) (version {sealed} -> {_version(t)}): the noise "
+                "is calibrated to the clipping norm of the sum as made, and a copy could be released "
+                "next to the original. Compute a new clipped sum; to transform the update, wrap the "
+                "optimizer or edit the parameters after the step."
             )
 
 
