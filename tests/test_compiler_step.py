@@ -1358,3 +1358,27 @@ def test_a_tensor_hook_on_a_trainable_parameter_is_refused_before_and_between_ca
     getattr(model[2].weight, kind)(hook)
     model[2].weight.requires_grad_(False)  # a frozen parameter's hook is never reached either way
     assert set(step(x, y).clipped.grads) == {"0.weight", "0.bias", "2.bias"}
+
+
+@pytest.mark.parametrize("kind", ["register_full_backward_hook", "register_full_backward_pre_hook"])
+def test_a_full_backward_hook_on_a_module_is_refused_naming_it(kind):
+    # It was refused as an untraceable loss ("an autograd.Function ... must override the
+    # setup_context staticmethod"); now the module and the hook are named, before tracing.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
+    first = step(x, y).clipped.grads
+    handle = getattr(model[2], kind)(lambda *a: None)
+    with pytest.raises(UnsupportedOperationError, match=r"full backward hook of module '2' \(Linear\)"):
+        step(x, y)
+    handle.remove()
+    again = step(x, y).clipped.grads
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    handle = getattr(torch.nn.modules.module, kind.replace("register_", "register_module_"))(lambda *a: None)
+    try:
+        with pytest.raises(UnsupportedOperationError, match="A global full backward hook"):
+            compile_dp(loss, model=model, clipping_norm=1.0, backend=None)(x, y)
+    finally:
+        handle.remove()

@@ -193,6 +193,15 @@ def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
 _MISSING = object()
 
 
+_BACKWARD_HOOK = (
+    "{where} (a register_full_backward_hook or ..._pre_hook) cannot run in "
+    "compile_dp's trace: the per-example gradients are traced with torch.func, and torch's "
+    "backward-hook function has no functorch support. "
+    "Remove it (handle.remove()) while training privately, or do its work in a forward hook or in "
+    "the loss."
+)
+
+
 def check_model_supported(model: nn.Module) -> None:
     """Refuse modules that mix examples or mutate state during the loss.
 
@@ -206,8 +215,14 @@ def check_model_supported(model: nn.Module) -> None:
             batch into the model outside the clipped, noised gradient. The message names the
             module.
     """
+    from torch.nn.modules import module as _module
+
+    if (_module._global_is_full_backward_hook and _module._global_backward_hooks) or _module._global_backward_pre_hooks:
+        raise UnsupportedOperationError(_BACKWARD_HOOK.format(where="A global full backward hook of modules"))
     for name, mod in model.named_modules():
         where = f"Module {name or '<root>'!r} ({type(mod).__name__})"
+        if (mod._is_full_backward_hook and mod._backward_hooks) or mod._backward_pre_hooks:
+            raise UnsupportedOperationError(_BACKWARD_HOOK.format(where=f"The full backward hook of module {name or '<root>'!r} ({type(mod).__name__})"))
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.max_norm is not None:
             raise UnsupportedOperationError(
                 f"{where} has max_norm={mod.max_norm!r}: its forward renormalises, in place, the rows of "
