@@ -1334,14 +1334,18 @@ def test_argument_structure_dtype_and_kind_are_public_too():
 
 
 # ------------------------------------------------------------------ tensor hooks on parameters
+def _hooked_mlp():  # noqa: ANN202
+    """A small classifier, a batch and its loss for the hook tests."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    return model, (torch.randn(5, 4), torch.randint(0, 3, (5,))), lambda m, x, y: F.cross_entropy(m(x), y)
+
+
 @pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_a_tensor_hook_on_a_trainable_parameter_is_refused_before_and_between_calls(kind):
     # The step's gradients come from its traced graph, which tensor hooks never reach: a hook
     # zeroing a gradient left the sums bit for bit unchanged (a newcomer's review).
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    model, (x, y), loss = _hooked_mlp()
     hook = lambda *a: None  # noqa: E731
     handle = getattr(model[2].weight, kind)(hook)
     with pytest.raises(UnsupportedOperationError, match="'2.weight' has a tensor hook"):
@@ -1364,10 +1368,7 @@ def test_a_tensor_hook_on_a_trainable_parameter_is_refused_before_and_between_ca
 def test_a_full_backward_hook_on_a_module_is_refused_naming_it(kind):
     # It was refused as an untraceable loss ("an autograd.Function ... must override the
     # setup_context staticmethod"); now the module and the hook are named, before tracing.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
-    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
-    loss = lambda m, x, y: F.cross_entropy(m(x), y)  # noqa: E731
+    model, (x, y), loss = _hooked_mlp()
     step = compile_dp(loss, model=model, clipping_norm=1.0, backend=None)
     first = step(x, y).clipped.grads
     handle = getattr(model[2], kind)(lambda *a: None)
