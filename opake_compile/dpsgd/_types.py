@@ -179,22 +179,15 @@ def check_unchanged(clipped: "ClippedPytree", what: str) -> None:
     an indexed assignment) after the first ``ClippedPytree`` built around it sealed it: the
     noise is calibrated to the clipping norm of the sum as it was made, and a sum scaled by
     10^4 in place reached the parameters with noise for C (a newcomer's review)."""
+    named = _named_tensors(clipped.grads)
     built = clipped.__dict__.get(_SUMS)
-    now = _tensors(clipped.grads)
-    if built is not None and (len(built) != len(now) or any(a is not b for a, b in zip(built, now))):
+    if built is not None and (len(built) != len(named) or any(a is not b for a, (_, b) in zip(built, named))):
         raise ConfigurationError(
             f"{what}: its grads were edited after it was made (an entry replaced, added or "
             "removed): the noise is calibrated to the sums the library made. Compute a new clipped "
             "sum; to transform the update, wrap the optimizer or edit the parameters after the step."
         )
-    if isinstance(clipped.grads, dict) and all(isinstance(v, torch.Tensor) for v in clipped.grads.values()):
-        items = clipped.grads.items()
-    else:
-        paths, leaves, _ = optree.tree_flatten_with_path(clipped.grads, none_is_leaf=True)
-        items = [("/".join(map(str, path)), t) for path, t in zip(paths, leaves)]
-    for name, t in items:
-        if not isinstance(t, torch.Tensor):
-            continue
+    for name, t in named:
         sealed = t.__dict__.get(_SEALED)
         if sealed is not None and _version(t) != sealed:
             raise ConfigurationError(
@@ -362,14 +355,21 @@ def lock_releases(clipped: ClippedPytree) -> None:
         t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0)
 
 
-def _tensors(grads: Any) -> list[torch.Tensor]:
-    """Every tensor of ``grads``, nested dicts included (an eager ``clipped_grad`` on a nested
-    dict of parameters: only the top level was read, so its nested sums were never marked)."""
+def _named_tensors(grads: Any) -> list[tuple[Any, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of ``grads``, nested dicts included (an eager
+    ``clipped_grad`` on a nested dict of parameters: only the top level was read, so its nested
+    sums were never marked); a nested tensor is named by its path, ``"enc/w"``."""
     if isinstance(grads, torch.Tensor):
-        return [grads]
+        return [(0, grads)]
     if isinstance(grads, dict) and all(isinstance(v, torch.Tensor) for v in grads.values()):
-        return list(grads.values())  # compile_dp's flat dict, without a tree walk
-    return [v for v in optree.tree_leaves(grads, none_is_leaf=True) if isinstance(v, torch.Tensor)]
+        return list(grads.items())  # compile_dp's flat dict, without a tree walk
+    paths, leaves, _ = optree.tree_flatten_with_path(grads, none_is_leaf=True)
+    return [("/".join(map(str, p)), v) for p, v in zip(paths, leaves) if isinstance(v, torch.Tensor)]
+
+
+def _tensors(grads: Any) -> list[torch.Tensor]:
+    """Every tensor of ``grads`` (:func:`_named_tensors`)."""
+    return [t for _, t in _named_tensors(grads)]
 
 
 def _is_number(x: Any) -> bool:
