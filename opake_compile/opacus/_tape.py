@@ -289,17 +289,15 @@ class Program:
 
         structure = []
         for op in self.ops:
-            scaling = getattr(op.func, "__name__", "") in _SCALINGS
-            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
-                if not scaling:
-                    continue
-                if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
-                    t = ext[leaf.index]
-                    tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
-                    found.append((position, float(t.detach().reshape(())), tol))
-                elif _real(leaf):
-                    found.append((position, float(leaf), 1e-9))
-                position += 1
+            if getattr(op.func, "__name__", "") in _SCALINGS:
+                for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                    if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
+                        t = ext[leaf.index]
+                        tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
+                        found.append((position, float(t.detach().reshape(())), tol))
+                    elif _real(leaf):
+                        found.append((position, float(leaf), 1e-9))
+                    position += 1
             masked = optree.tree_map(mask, (op.args, op.kwargs), none_is_leaf=True)
             structure.append((op.func, repr(masked), op.outs))
         return (tuple(structure), self.target, self.externals), found
