@@ -98,6 +98,14 @@ def _unfold(x: torch.Tensor, p: int, level: int) -> torch.Tensor:
     return _ft._add_batch_dim(x.view(p, x.shape[0] // p, *x.shape[1:]), 0, level)
 
 
+def _require_different_randomness(what: str) -> None:
+    """Refuse dropout in a fused kernel unless vmap draws each example's mask independently."""
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    if retrieve_current_functorch_interpreter().randomness() != "different":
+        raise RuntimeError(f"vmap of {what} with dropout needs randomness='different'.")
+
+
 def _prepare(tensors: tuple[torch.Tensor, ...], q_index: int, attn_mask: torch.Tensor | None, dropout_p: float):
     """Unwrap the op's tensors at the current vmap level and fold them; ``None`` when none is
     batched at this level (then the op runs as it is, like functorch's own rules do)."""
@@ -109,10 +117,7 @@ def _prepare(tensors: tuple[torch.Tensor, ...], q_index: int, attn_mask: torch.T
         return None
     (p,) = sizes  # vmap gives every input batched at one level the same batch size
     if dropout_p > 0:  # torch 2.13 never picks this kernel with dropout; refuse a shared mask
-        from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-
-        if retrieve_current_functorch_interpreter().randomness() != "different":
-            raise RuntimeError("vmap of fused CPU attention with dropout needs randomness='different'.")
+        _require_different_randomness("fused CPU attention")
     q, q_bdim = pairs[q_index]
     n = q.shape[0] if q_bdim is None else q.movedim(q_bdim, 0).shape[1]
     folded = [_fold(x, b, p) for x, b in pairs]
@@ -210,10 +215,7 @@ def _fused_rule(op: torch._ops.OpOverload, rows: frozenset[str], names: list[str
             (p,) = sizes
             dropout = bound.get("dropout_p", 0.0) > 0
             if dropout and outs is not None:
-                from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
-
-                if retrieve_current_functorch_interpreter().randomness() != "different":
-                    raise RuntimeError(f"vmap of {op.name()} with dropout needs randomness='different'.")
+                _require_different_randomness(op.name())
             if any(b is not None for k, (_, b) in parts.items() if k in _SHARED) or (
                 # The forward ran once, unbatched at this level (vmap over cotangents, jacrev):
                 # its dropout masks are rows 0..N-1 of its call, which a folded call would not
