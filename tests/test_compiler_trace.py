@@ -510,3 +510,44 @@ def test_a_shape_or_dtype_error_points_at_the_arguments(capfd):
             step(*args)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
     assert step.num_calls == 0 and math.isfinite(float(step(x, y).loss))
+
+
+# ----------------------------------------------------------------------------- attributes set in forward
+class _Remembers(nn.Module):
+    """Stores tensors on itself in forward: one attribute new, one replacing an earlier tensor,
+    one replacing a non-tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3, dtype=F64)
+        self.previous = torch.full((2,), 7.0, dtype=F64)
+        self.note = "set in __init__"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        self.last_input = x
+        self.previous = h.detach()
+        self.note = h.sum()
+        return h
+
+
+def test_tensors_stored_on_modules_in_forward_do_not_outlive_the_trace():
+    # The trace runs forward on batched fake tensors: storing them on the module left a tensor
+    # without data there (printing it, or any later op on it, failed far from the cause).
+    model = seeded_model(_Remembers)
+    previous = model.previous
+    trace_per_example_grads(model, lambda m, x: m(x).sum(), (torch.zeros(2, 4, dtype=F64),), batched_positions=(0,), physical_batch_size=2)
+    assert not hasattr(model, "last_input")
+    assert model.previous is previous and torch.equal(previous, torch.full((2,), 7.0, dtype=F64))
+    assert model.note == "set in __init__"
+    # and the model still runs eagerly and stores real tensors
+    model(torch.ones(2, 4, dtype=F64))
+    assert torch.equal(model.last_input, torch.ones(2, 4, dtype=F64))
+
+
+def test_a_compiled_step_leaves_no_traced_tensor_on_the_model():
+    model = seeded_model(_Remembers)
+    step = compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend="aot_eager")
+    step(torch.randn(3, 4, dtype=F64))
+    assert not hasattr(model, "last_input") and model.note == "set in __init__"
+    assert not isinstance(model.previous, torch._subclasses.FakeTensor)

@@ -175,12 +175,25 @@ def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
     fake tensor into a slot that was already swapped. Tracing must never modify the user's
     model, so every slot is recorded by identity before and put back as it was after, whatever
     the aliasing and whether tracing succeeded.
+
+    A forward that stores a tensor on its module (``self.last = x``) stores one of the trace's
+    batched fake tensors, which holds no data: any later use of it fails far from the cause.
+    Such an attribute is put back to what it held before tracing (removed if it is new). The
+    compiled step runs the graph, not the forward, so it is not set on later calls either.
     """
     modules = list(model.modules())  # each module object once, aliases included
     saved = [(m, store, dict(getattr(m, store))) for m in modules for store in ("_parameters", "_buffers", "_modules")]
+    attrs = [(m, dict(vars(m))) for m in modules]
     try:
         yield
     finally:
+        for mod, before in attrs:
+            now = vars(mod)
+            for key in [k for k, v in now.items() if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v]:
+                if key in before:
+                    now[key] = before[key]
+                else:
+                    del now[key]
         for mod, store, before in saved:
             slots = getattr(mod, store)
             for key, obj in before.items():
