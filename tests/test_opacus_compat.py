@@ -487,6 +487,53 @@ def test_losses_that_mix_examples_are_refused(mode, make_loss, match):
     assert popt.dp.steps == 0
 
 
+def _ce_none(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+@pytest.mark.parametrize(
+    "make_loss, match",
+    [
+        # Per-example weights normalised over the batch: each example's loss, evaluated alone,
+        # carries the others' weights (all four passed every check before, with
+        # loss_reduction="sum": evaluated per example, they sum to the batch loss).
+        (lambda out, x, y: (_ce_none(out, y) * torch.full((len(y),), 1.0 / len(y))).sum(), "sum to 1 over this batch"),
+        (lambda out, x, y: (_ce_none(out, y) * ((y + 1.0) / (y + 1.0).sum())).sum(), "sum to 1 over this batch"),
+        # Divided by a statistic of the batch: a mask's count, the inputs' number of entries.
+        (lambda out, x, y: (_ce_none(out, y) * (y != 0).float()).sum() / (y != 0).float().sum(), r"is the sum of the batch's tensor of shape \(12,\)"),
+        (lambda out, x, y: (_ce_none(out, y) * (y != 0).float()).sum() / float((y != 0).float().sum()), "is the sum of the batch's tensor"),
+        (lambda out, x, y: F.cross_entropy(out, y, reduction="sum") / x.numel(), r"is the number of entries of the batch's tensor of shape \(12, 5\)"),
+        (lambda out, x, y: (_ce_none(out, y) * torch.full((len(y),), 1.0 / x.numel())).sum(), "is 1 / \\(the number of entries"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_losses_normalised_by_a_statistic_of_the_batch_are_refused(mode, make_loss, match):
+    engine, model, pmodel, popt, criterion, loader = _private(mode, sigma=1.0, C=1.0, reduction="sum")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = next(iter(loader))
+    loss = make_loss(pmodel(x), x, y)
+    with pytest.raises(UnsupportedOperationError, match=match):
+        loss.backward()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert popt.dp.steps == 0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_weights_of_each_examples_own_and_fixed_factors_still_train(mode):
+    # Per-example weights that are each example's own (a function of its label) and fixed
+    # factors train at every step, with batches of varying size and content.
+    engine, model, pmodel, popt, criterion, loader = _private(mode, n=48, batch_size=8, sigma=1.0, C=1.0, reduction="sum")
+    steps = 0
+    for _ in range(3):
+        for x, y in loader:
+            out = pmodel(x)
+            ((_ce_none(out, y) * (0.3 + 0.1 * y)).sum() * 0.5 + 0.0 * F.cross_entropy(out, y, reduction="sum") / 4.0).backward()
+            popt.step()
+            popt.zero_grad()
+            steps += 1
+    assert popt.dp.steps == steps > 0
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_constant_factors_other_than_the_batch_size_are_kept(mode):
     engine, model, pmodel, popt, criterion, loader = _private(mode, sigma=1.0, C=1.0)

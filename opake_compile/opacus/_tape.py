@@ -17,6 +17,7 @@ values and refuses a loss that mixes examples (or whose reduction is not the dec
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -275,11 +276,12 @@ class Program:
                     )
 
 
-    def scaling_constants(self, externals: Sequence[torch.Tensor]) -> tuple[Any, list[tuple[int, float, float]]]:
+    def scaling_constants(self, externals: Sequence[torch.Tensor], n: int | None = None) -> tuple[Any, list[tuple[int, float, float]]]:
         """``(structure, constants)``: the program with its numbers masked (a key that is the
         same at every step of one loss), and each number that scales a value of the loss (a
-        real number, or a one-element tensor it reads) as ``(position, value, relative
-        tolerance)``, the tolerance that of the number's dtype."""
+        real number, a one-element tensor it reads, or, given the batch size ``n``, the common
+        value of a batched tensor whose entries are all equal: ``torch.full((n,), 1 / n)``) as
+        ``(position, value, relative tolerance)``, the tolerance that of the number's dtype."""
         ext = dict(zip(self.externals, externals))
         found: list[tuple[int, float, float]] = []
         position = 0
@@ -291,10 +293,10 @@ class Program:
         for op in self.ops:
             if getattr(op.func, "__name__", "") in _SCALINGS:
                 for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
-                    if isinstance(leaf, _Ext) and leaf.index in ext and ext[leaf.index].numel() == 1:
-                        t = ext[leaf.index]
+                    t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
+                    if t is not None and (t.numel() == 1 or (n is not None and _batched(t, n) and _constant(t))):
                         tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
-                        found.append((position, float(t.detach().reshape(())), tol))
+                        found.append((position, float(t.detach().reshape(-1)[0]), tol))
                     elif _real(leaf):
                         found.append((position, float(leaf), 1e-9))
                     position += 1
@@ -302,41 +304,89 @@ class Program:
             structure.append((op.func, repr(masked), op.outs))
         return (tuple(structure), self.target, self.externals), found
 
-    def check_batch_size(self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any]) -> None:
-        """Refuse a loss scaled by the batch size: a division by ``len(x)`` (or a product with
-        ``1 / x.size(0)``) is recorded as the constant ``n`` of this batch, so each example's
-        loss, evaluated alone, carries the size of the batch it came in. Removing one example
-        then changes every other example's gradient before clipping: a released sum moved by
-        1.88 C in a newcomer's construction, against the C the noise is for. The mean and sum
-        over the batch (``reduction=``, ``.mean()``) are fine: they are evaluated per example.
+    def normalised_weights(self, externals: Sequence[torch.Tensor], n: int) -> str | None:
+        """The name of an operation that scales a value of the loss by a batched tensor whose
+        entries are non-negative and sum to 1 over the whole batch (``w / w.sum()``, a mask
+        divided by the batch's token count), or None. Such weights are a statistic of the
+        batch: each example's loss, evaluated alone, carries the others' weights."""
+        if n < 2:
+            return None
+        ext = dict(zip(self.externals, externals))
+        for op in self.ops:
+            if getattr(op.func, "__name__", "") not in _SCALINGS:
+                continue
+            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
+                t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
+                if t is None or not _batched(t, n) or not t.dtype.is_floating_point or t.numel() < 2:
+                    continue
+                t64 = t.detach().double()
+                if bool((t64 >= 0).all()) and abs(float(t64.sum()) - 1.0) <= 4 * t.numel() * torch.finfo(t.dtype).eps:
+                    return _name(op.func)
+        return None
 
-        Which numbers are suspect: ``n`` and ``1 / n`` (within the number's rounding), as a real
-        number or a one-element tensor that scales (multiplies or divides) a value of the loss,
-        from ``n = 2`` when the loss read the shape of the model output or of a value derived
-        from it, from ``n = 3`` otherwise (a batch size read from an input is not recorded, and
-        a factor 2 or 1/2 is too common to refuse on its value alone). A number is cleared for
-        good once it kept its value at a step of another batch size (``history``, kept by the
-        caller per loss structure): a constant that happens to equal one step's n is refused
-        only if that step comes before any such evidence, at the first steps of a run.
+    def check_batch_size(
+        self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any], batch: Sequence[torch.Tensor] = ()
+    ) -> None:
+        """Refuse a loss scaled by the batch size or by another statistic of the batch: a
+        division by ``len(x)`` (or a product with ``1 / x.size(0)``) is recorded as the
+        constant ``n`` of this batch, so each example's loss, evaluated alone, carries the size
+        of the batch it came in. Removing one example then changes every other example's
+        gradient before clipping: a released sum moved by 1.88 C in a newcomer's construction,
+        against the C the noise is for. A division by the batch's token count (``mask.sum()``)
+        or by ``x.numel()``, and per-example weights normalised over the batch (``w / w.sum()``),
+        do the same. The mean and sum over the batch (``reduction=``, ``.mean()``) are fine:
+        they are evaluated per example.
+
+        Which numbers are suspect: ``n`` and ``1 / n`` (within the number's rounding), and
+        ``s`` and ``1 / s`` for each statistic ``s >= 3`` of the batch's tensors (``batch``,
+        the model's inputs, and the loss's batched tensors; :func:`_batch_statistics`): a
+        number of entries, a mask's count or a weight total; as a real number, a
+        one-element tensor or a batched tensor of equal entries that scales (multiplies or
+        divides) a value of the loss, from ``n = 2`` when the loss read the shape of the model
+        output or of a value derived from it, from ``n = 3`` otherwise (a batch size read from
+        an input is not recorded, and a factor 2 or 1/2 is too common to refuse on its value
+        alone). A number is cleared for good once it kept its value at a step of another batch
+        size (``history``, kept by the caller per loss structure): a constant that happens to
+        equal one step's n is refused only if that step comes before any such evidence, at the
+        first steps of a run. Also refused: a batched tensor of non-negative weights summing to
+        1 over the batch that scales the loss (:meth:`normalised_weights`).
+
+        These are value heuristics: a statistic in another form (``/ (2 * len(x))``) is not
+        recognised (docs/migrating-from-opacus.md).
 
         Raises:
-            UnsupportedOperationError: such a constant, with the operation that uses it.
+            UnsupportedOperationError: such a constant or such weights, with the operation that
+                uses them.
         """
-        key, found = self.scaling_constants(externals)
+        key, found = self.scaling_constants(externals, n)
         last_n, last_values, cleared = history.get(key, (None, {}, frozenset()))
         values = {pos: v for pos, v, _ in found}
         if last_n is not None and last_n != n:
             cleared = cleared | {pos for pos, v in values.items() if last_values.get(pos) == v}
+        weights = self.normalised_weights(externals, n)
+        if weights is not None:
+            raise UnsupportedOperationError(
+                f"The loss is weighted, in {weights}, by a batched tensor whose entries sum to 1 over "
+                f"this batch of {n} examples: weights normalised over the batch (w / w.sum(), a mask "
+                "divided by the batch's token count) make each example's gradient depend on the "
+                "others, which breaks the sensitivity bound. Weight each example by a value of its "
+                "own and reduce with the sum or mean over the batch (loss_reduction)."
+            )
         if n >= (2 if self.shape_read else 3):
+            suspects = [(float(n), "n"), (1.0 / n, "1 / n")]
+            for s, what in _batch_statistics([t for t in externals if _batched(t, n)], batch):
+                if s >= 3 and s != n:
+                    suspects += [(s, what), (1.0 / s, f"1 / ({what})")]
             for pos, v, tol in found:
                 if pos in cleared:
                     continue
-                for suspect, what in ((float(n), "n"), (1.0 / n, "1 / n")):
+                for suspect, what in suspects:
                     if abs(v - suspect) <= tol * suspect:
                         raise UnsupportedOperationError(
                             f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
-                            "loss divided by the batch size (len(x), x.size(0)) makes each example's "
-                            "gradient depend on how many others came with it, which breaks the "
+                            "loss divided by the batch size (len(x), x.size(0)) or by another statistic "
+                            "of the batch (its token count, x.numel()) makes each example's gradient "
+                            "depend on the others that came with it, which breaks the "
                             "sensitivity bound. Use the mean or sum over the batch (reduction='mean' "
                             "or 'sum', .mean()) and declare it with loss_reduction. A constant that "
                             "only happens to equal this batch's size is cleared once a batch of "
@@ -347,6 +397,44 @@ class Program:
 
 
 _NUMBER = "<number>"
+
+
+def _batched(t: torch.Tensor, n: int) -> bool:
+    return t.dim() >= 1 and t.shape[0] == n
+
+
+def _constant(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` equals its first (a batch-wide constant in a batched tensor)."""
+    flat = t.detach().reshape(-1)
+    return flat.numel() > 0 and bool((flat == flat[0]).all())
+
+
+def _batch_statistics(read: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[tuple[float, str]]:
+    """Numbers a loss might divide by that depend on the whole batch: the number of entries of
+    each batched tensor (``read``: those the loss reads; ``inputs``: the model's), and of those
+    the loss reads, a float or bool tensor's sum and count of non-zero entries (a mask's token
+    count, a weight total), an integer tensor's counts of non-zero and of non-negative entries
+    where it has several per example (labels other than a padding id or a negative ignore
+    index; not one class label per example, whose counts are too often a round number)."""
+    out: list[tuple[float, str]] = []
+    for t, is_read in [(t, True) for t in read] + [(t, False) for t in inputs]:
+        if not isinstance(t, torch.Tensor) or t.is_complex() or t.numel() == 0:
+            continue
+        name = f"the batch's tensor of shape {tuple(t.shape)}"
+        out.append((float(t.numel()), f"the number of entries of {name}"))
+        if not is_read:
+            continue
+        d = t.detach()
+        with torch.no_grad():
+            if d.dtype.is_floating_point or d.dtype == torch.bool:
+                total = float(d.double().sum())
+                if math.isfinite(total):
+                    out.append((total, f"the sum of {name}"))
+                out.append((float((d != 0).sum()), f"the count of non-zero entries of {name}"))
+            elif d.dim() >= 2:
+                out.append((float((d != 0).sum()), f"the count of non-zero entries of {name}"))
+                out.append((float((d >= 0).sum()), f"the count of non-negative entries of {name}"))
+    return out
 
 
 def _real(leaf: Any) -> bool:
