@@ -495,10 +495,10 @@ def _ce_none(out, y):
     "make_loss, match",
     [
         # Per-example weights normalised over the batch: each example's loss, evaluated alone,
-        # carries the others' weights (all four passed every check before, with
+        # carries the others' weights (each passed every check before, with
         # loss_reduction="sum": evaluated per example, they sum to the batch loss).
-        (lambda out, x, y: (_ce_none(out, y) * torch.full((len(y),), 1.0 / len(y))).sum(), "sum to 1 over this batch"),
-        (lambda out, x, y: (_ce_none(out, y) * ((y + 1.0) / (y + 1.0).sum())).sum(), "sum to 1 over this batch"),
+        (lambda out, x, y: (_ce_none(out, y) * torch.full((len(y),), 1.0 / len(y))).sum(), "is 1 / n"),
+        (lambda out, x, y: (_ce_none(out, y) * ((y != 0).float() / (y != 0).float().sum())).sum(), r"is 1 / \(the (sum|count of non-zero entries) of"),
         # Divided by a statistic of the batch: a mask's count, the inputs' number of entries.
         (lambda out, x, y: (_ce_none(out, y) * (y != 0).float()).sum() / (y != 0).float().sum(), r"is the sum of the batch's tensor of shape \(12,\)"),
         (lambda out, x, y: (_ce_none(out, y) * (y != 0).float()).sum() / float((y != 0).float().sum()), "is the sum of the batch's tensor"),
@@ -527,7 +527,10 @@ def test_weights_of_each_examples_own_and_fixed_factors_still_train(mode):
     for _ in range(3):
         for x, y in loader:
             out = pmodel(x)
-            ((_ce_none(out, y) * (0.3 + 0.1 * y)).sum() * 0.5 + 0.0 * F.cross_entropy(out, y, reduction="sum") / 4.0).backward()
+            # ... including 0/1 indicators (a single positive in a batch sums to 1 over it).
+            positive = (y == 1).float()
+            ((_ce_none(out, y) * (0.3 + 0.1 * y)).sum() * 0.5 + 0.0 * F.cross_entropy(out, y, reduction="sum") / 4.0
+             + (_ce_none(out, y) * positive).sum()).backward()
             popt.step()
             popt.zero_grad()
             steps += 1

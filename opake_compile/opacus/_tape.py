@@ -280,8 +280,9 @@ class Program:
         """``(structure, constants)``: the program with its numbers masked (a key that is the
         same at every step of one loss), and each number that scales a value of the loss (a
         real number, a one-element tensor it reads, or, given the batch size ``n``, the common
-        value of a batched tensor whose entries are all equal: ``torch.full((n,), 1 / n)``) as
-        ``(position, value, relative tolerance)``, the tolerance that of the number's dtype."""
+        value of a batched tensor whose non-zero entries are all equal: ``torch.full((n,),
+        1 / n)``, ``mask / mask.sum()``) as ``(position, value, relative tolerance)``, the
+        tolerance that of the number's dtype."""
         ext = dict(zip(self.externals, externals))
         found: list[tuple[int, float, float]] = []
         position = 0
@@ -294,35 +295,16 @@ class Program:
             if getattr(op.func, "__name__", "") in _SCALINGS:
                 for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
                     t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
-                    if t is not None and (t.numel() == 1 or (n is not None and _batched(t, n) and _constant(t))):
+                    common = None if t is None else _common_value(t) if t.numel() == 1 or (n is not None and _batched(t, n)) else None
+                    if common is not None:
                         tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
-                        found.append((position, float(t.detach().reshape(-1)[0]), tol))
+                        found.append((position, common, tol))
                     elif _real(leaf):
                         found.append((position, float(leaf), 1e-9))
                     position += 1
             masked = optree.tree_map(mask, (op.args, op.kwargs), none_is_leaf=True)
             structure.append((op.func, repr(masked), op.outs))
         return (tuple(structure), self.target, self.externals), found
-
-    def normalised_weights(self, externals: Sequence[torch.Tensor], n: int) -> str | None:
-        """The name of an operation that scales a value of the loss by a batched tensor whose
-        entries are non-negative and sum to 1 over the whole batch (``w / w.sum()``, a mask
-        divided by the batch's token count), or None. Such weights are a statistic of the
-        batch: each example's loss, evaluated alone, carries the others' weights."""
-        if n < 2:
-            return None
-        ext = dict(zip(self.externals, externals))
-        for op in self.ops:
-            if getattr(op.func, "__name__", "") not in _SCALINGS:
-                continue
-            for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
-                t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
-                if t is None or not _batched(t, n) or not t.dtype.is_floating_point or t.numel() < 2:
-                    continue
-                t64 = t.detach().double()
-                if bool((t64 >= 0).all()) and abs(float(t64.sum()) - 1.0) <= 4 * t.numel() * torch.finfo(t.dtype).eps:
-                    return _name(op.func)
-        return None
 
     def check_batch_size(
         self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any], batch: Sequence[torch.Tensor] = ()
@@ -348,30 +330,20 @@ class Program:
         alone). A number is cleared for good once it kept its value at a step of another batch
         size (``history``, kept by the caller per loss structure): a constant that happens to
         equal one step's n is refused only if that step comes before any such evidence, at the
-        first steps of a run. Also refused: a batched tensor of non-negative weights summing to
-        1 over the batch that scales the loss (:meth:`normalised_weights`).
+        first steps of a run.
 
-        These are value heuristics: a statistic in another form (``/ (2 * len(x))``) is not
-        recognised (docs/migrating-from-opacus.md).
+        These are value heuristics: a statistic in another form (``/ (2 * len(x))``) and
+        weights normalised over the batch that differ between examples (``w / w.sum()``) are
+        not recognised (docs/migrating-from-opacus.md).
 
         Raises:
-            UnsupportedOperationError: such a constant or such weights, with the operation that
-                uses them.
+            UnsupportedOperationError: such a constant, with the operation that uses it.
         """
         key, found = self.scaling_constants(externals, n)
         last_n, last_values, cleared = history.get(key, (None, {}, frozenset()))
         values = {pos: v for pos, v, _ in found}
         if last_n is not None and last_n != n:
             cleared = cleared | {pos for pos, v in values.items() if last_values.get(pos) == v}
-        weights = self.normalised_weights(externals, n)
-        if weights is not None:
-            raise UnsupportedOperationError(
-                f"The loss is weighted, in {weights}, by a batched tensor whose entries sum to 1 over "
-                f"this batch of {n} examples: weights normalised over the batch (w / w.sum(), a mask "
-                "divided by the batch's token count) make each example's gradient depend on the "
-                "others, which breaks the sensitivity bound. Weight each example by a value of its "
-                "own and reduce with the sum or mean over the batch (loss_reduction)."
-            )
         if n >= (2 if self.shape_read else 3):
             suspects = [(float(n), "n"), (1.0 / n, "1 / n")]
             for s, what in _batch_statistics([t for t in externals if _batched(t, n)], batch):
@@ -403,10 +375,17 @@ def _batched(t: torch.Tensor, n: int) -> bool:
     return t.dim() >= 1 and t.shape[0] == n
 
 
-def _constant(t: torch.Tensor) -> bool:
-    """Whether every entry of ``t`` equals its first (a batch-wide constant in a batched tensor)."""
+def _common_value(t: torch.Tensor) -> float | None:
+    """The value every non-zero entry of ``t`` has (a batch-wide constant, or a mask scaled by
+    one number), or None (no non-zero entry, or two different ones). A one-element tensor's
+    value, zero included."""
     flat = t.detach().reshape(-1)
-    return flat.numel() > 0 and bool((flat == flat[0]).all())
+    if flat.numel() == 1:
+        return float(flat[0])
+    nz = flat[flat != 0]
+    if nz.numel() == 0 or not bool((nz == nz[0]).all()):
+        return None
+    return float(nz[0])
 
 
 def _batch_statistics(read: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[tuple[float, str]]:
