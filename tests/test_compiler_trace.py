@@ -522,12 +522,19 @@ class _Remembers(nn.Module):
         self.fc = nn.Linear(4, 3, dtype=F64)
         self.previous = torch.full((2,), 7.0, dtype=F64)
         self.note = "set in __init__"
+        self.seen: list = []
+        self.by_name: dict = {"kept": 1}
+        self.names = ["a"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc(x)
         self.last_input = x
         self.previous = h.detach()
         self.note = h.sum()
+        self.seen.append(h.detach())  # containers changed in place
+        self.by_name["h"] = h.detach()
+        self.pair = (x, h.detach())  # a new tuple of tensors
+        self.names = self.names + ["b"]  # no tensor: a Python side effect, left as it is
         return h
 
 
@@ -540,9 +547,12 @@ def test_tensors_stored_on_modules_in_forward_do_not_outlive_the_trace():
     assert not hasattr(model, "last_input")
     assert model.previous is previous and torch.equal(previous, torch.full((2,), 7.0, dtype=F64))
     assert model.note == "set in __init__"
+    assert model.seen == [] and model.by_name == {"kept": 1} and not hasattr(model, "pair")
+    assert model.names == ["a", "b"]
     # and the model still runs eagerly and stores real tensors
     model(torch.ones(2, 4, dtype=F64))
     assert torch.equal(model.last_input, torch.ones(2, 4, dtype=F64))
+    assert len(model.seen) == 1 and model.seen[0].shape == (2, 3) and torch.equal(model.pair[0], model.last_input)
 
 
 def test_a_compiled_step_leaves_no_traced_tensor_on_the_model():

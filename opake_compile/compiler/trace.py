@@ -176,24 +176,32 @@ def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
     model, so every slot is recorded by identity before and put back as it was after, whatever
     the aliasing and whether tracing succeeded.
 
-    A forward that stores a tensor on its module (``self.last = x``) stores one of the trace's
-    batched fake tensors, which holds no data: any later use of it fails far from the cause.
-    Such an attribute is put back to what it held before tracing (removed if it is new). The
-    compiled step runs the graph, not the forward, so it is not set on later calls either.
+    A forward that stores a tensor on its module (``self.last = x``, or in a list, tuple, dict
+    or set attribute: ``self.seen.append(x)``) stores one of the trace's batched fake tensors,
+    which holds no data: any later use of it fails far from the cause. Such an attribute is
+    put back to what it held before tracing (removed if it is new; a container changed in
+    place gets its old contents back). The compiled step runs the graph, not the forward, so
+    it is not set on later calls either. A tensor stored deeper (on an object the module
+    holds) is not found.
     """
     modules = list(model.modules())  # each module object once, aliases included
     saved = [(m, store, dict(getattr(m, store))) for m in modules for store in ("_parameters", "_buffers", "_modules")]
-    attrs = [(m, dict(vars(m))) for m in modules]
+    attrs = [(m, dict(vars(m)), {k: _contents(v) for k, v in vars(m).items() if type(v) in _MUTABLE}) for m in modules]
     try:
         yield
     finally:
-        for mod, before in attrs:
+        for mod, before, contents in attrs:
             now = vars(mod)
-            for key in [k for k, v in now.items() if isinstance(v, torch.Tensor) and before.get(k, _MISSING) is not v]:
-                if key in before:
-                    now[key] = before[key]
-                else:
-                    del now[key]
+            for key, value in list(now.items()):
+                if not _holds_tensor(value):
+                    continue
+                if before.get(key, _MISSING) is not value:
+                    if key in before:
+                        now[key] = before[key]
+                    else:
+                        del now[key]
+                elif key in contents and not _same_contents(_contents(value), contents[key]):
+                    _refill(value, contents[key])
         for mod, store, before in saved:
             slots = getattr(mod, store)
             for key, obj in before.items():
@@ -204,6 +212,36 @@ def _model_left_unchanged(model: nn.Module) -> Iterator[None]:
 
 
 _MISSING = object()
+_MUTABLE = (list, dict, set)
+
+
+def _holds_tensor(value: Any) -> bool:
+    """A tensor, or a list, tuple, dict or set holding one (one level deep)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(isinstance(v, torch.Tensor) for v in value.values())
+    return isinstance(value, (list, tuple, set)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _contents(value: Any) -> Any:
+    return list(value.items()) if isinstance(value, dict) else list(value)
+
+
+def _same_contents(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y or (isinstance(x, tuple) and isinstance(y, tuple) and all(p is q for p, q in zip(x, y))) for x, y in zip(a, b))
+
+
+def _refill(value: Any, contents: list) -> None:
+    """Put ``contents`` (from :func:`_contents`) back into the container ``value`` in place."""
+    if isinstance(value, list):
+        value[:] = contents
+    elif isinstance(value, dict):
+        value.clear()
+        value.update(contents)
+    else:
+        value.clear()
+        value.update(contents)
 
 
 _BACKWARD_HOOK = (

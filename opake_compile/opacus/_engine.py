@@ -252,7 +252,7 @@ class _Session:
         batched_args = [isinstance(a, torch.Tensor) and a.dim() >= 1 and a.shape[0] == n for a in args]
         root = tape.root_value
         externals, batched_ext = _tape.split_externals(program, tape, n)
-        program.check_batch_size(n, externals, self.scalings, [a for a, b in zip(args, batched_args) if b])
+        program.check_batch_size(n, externals, self.scalings)
         self._check_broadcast(program, externals, batched_ext)
         if n == 0:
             step = self._step(("empty", self.mode), lambda m, *a: m(*a[: len(args)]).sum(), [i for i, b in enumerate(batched_args) if b])

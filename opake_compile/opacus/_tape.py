@@ -276,15 +276,16 @@ class Program:
                     )
 
 
-    def scaling_constants(self, externals: Sequence[torch.Tensor], n: int | None = None) -> tuple[Any, list[tuple[int, float, float]]]:
+    def scaling_constants(self, externals: Sequence[torch.Tensor], n: int | None = None) -> tuple[Any, list[tuple[int, float, float, int | None]]]:
         """``(structure, constants)``: the program with its numbers masked (a key that is the
         same at every step of one loss), and each number that scales a value of the loss (a
         real number, a one-element tensor it reads, or, given the batch size ``n``, the common
         value of a batched tensor whose non-zero entries are all equal: ``torch.full((n,),
-        1 / n)``, ``mask / mask.sum()``) as ``(position, value, relative tolerance)``, the
-        tolerance that of the number's dtype."""
+        1 / n)``, ``mask / mask.sum()``) as ``(position, value, relative tolerance, own)``,
+        the tolerance that of the number's dtype and ``own`` the index of the batched tensor a
+        common value came from (None for a number)."""
         ext = dict(zip(self.externals, externals))
-        found: list[tuple[int, float, float]] = []
+        found: list[tuple[int, float, float, int | None]] = []
         position = 0
 
         def mask(leaf: Any) -> Any:
@@ -295,77 +296,97 @@ class Program:
             if getattr(op.func, "__name__", "") in _SCALINGS:
                 for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
                     t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
+                    own = None if t is None or t.numel() == 1 else leaf.index
                     common = None if t is None else _common_value(t) if t.numel() == 1 or (n is not None and _batched(t, n)) else None
                     if common is not None:
                         tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
-                        found.append((position, common, tol))
+                        found.append((position, common, tol, own))
                     elif _real(leaf):
-                        found.append((position, float(leaf), 1e-9))
+                        found.append((position, float(leaf), 1e-9, None))
                     position += 1
             masked = optree.tree_map(mask, (op.args, op.kwargs), none_is_leaf=True)
             structure.append((op.func, repr(masked), op.outs))
         return (tuple(structure), self.target, self.externals), found
 
-    def check_batch_size(
-        self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any], batch: Sequence[torch.Tensor] = ()
-    ) -> None:
+    def check_batch_size(self, n: int, externals: Sequence[torch.Tensor], history: dict[Any, Any]) -> None:
         """Refuse a loss scaled by the batch size or by another statistic of the batch: a
         division by ``len(x)`` (or a product with ``1 / x.size(0)``) is recorded as the
         constant ``n`` of this batch, so each example's loss, evaluated alone, carries the size
         of the batch it came in. Removing one example then changes every other example's
         gradient before clipping: a released sum moved by 1.88 C in a newcomer's construction,
         against the C the noise is for. A division by the batch's token count (``mask.sum()``)
-        or by ``x.numel()``, and per-example weights normalised over the batch (``w / w.sum()``),
-        do the same. The mean and sum over the batch (``reduction=``, ``.mean()``) are fine:
-        they are evaluated per example.
+        and per-example weights scaled by it (``mask / mask.sum()``) do the same (3.47 C in a
+        hostile construction). The mean and sum over the batch (``reduction=``, ``.mean()``)
+        are fine: they are evaluated per example.
 
-        Which numbers are suspect: ``n`` and ``1 / n`` (within the number's rounding), and
-        ``s`` and ``1 / s`` for each statistic ``s >= 3`` of the batch's tensors (``batch``,
-        the model's inputs, and the loss's batched tensors; :func:`_batch_statistics`): a
-        number of entries, a mask's count or a weight total; as a real number, a
-        one-element tensor or a batched tensor of equal entries that scales (multiplies or
-        divides) a value of the loss, from ``n = 2`` when the loss read the shape of the model
-        output or of a value derived from it, from ``n = 3`` otherwise (a batch size read from
-        an input is not recorded, and a factor 2 or 1/2 is too common to refuse on its value
-        alone). A number is cleared for good once it kept its value at a step of another batch
-        size (``history``, kept by the caller per loss structure): a constant that happens to
-        equal one step's n is refused only if that step comes before any such evidence, at the
-        first steps of a run.
+        Which numbers are suspect, each with its inverse and within the number's rounding:
+        ``n``, from ``n = 2`` when the loss read the shape of the model output or of a value
+        derived from it, from ``n = 3`` otherwise (a batch size read from an input is not
+        recorded, and a factor 2 or 1/2 is too common to refuse on its value alone); and from
+        ``n = 2``, each statistic ``s >= 3`` of the batched tensors the loss reads
+        (:func:`_batch_statistics`: a mask's count, a weight total, a count of token labels).
+        A real number or one-element tensor that scales (multiplies or divides) a value of the
+        loss is compared with all of them; the common value of a batched tensor of weights
+        with ``n`` and that tensor's own statistics.
 
-        These are value heuristics: a statistic in another form (``/ (2 * len(x))``) and
-        weights normalised over the batch that differ between examples (``w / w.sum()``) are
-        not recognised (docs/migrating-from-opacus.md).
+        A number is cleared for good once it kept its value between two steps while every
+        statistic it matched at either of them changed (``history``, kept by the caller per
+        loss structure): a constant that equals one step's n or token count by chance is
+        refused only while no such evidence exists (at the first step of a run), and a true
+        statistic, which follows the batch, is never cleared.
+
+        These are value heuristics: a statistic in another form (``/ (2 * len(x))``), weights
+        normalised over the batch that differ between examples (``w / w.sum()``) and products
+        other than ``*`` and ``/`` (``@``, ``einsum``) are not recognised
+        (docs/migrating-from-opacus.md).
 
         Raises:
             UnsupportedOperationError: such a constant, with the operation that uses it.
         """
         key, found = self.scaling_constants(externals, n)
-        last_n, last_values, cleared = history.get(key, (None, {}, frozenset()))
-        values = {pos: v for pos, v, _ in found}
-        if last_n is not None and last_n != n:
-            cleared = cleared | {pos for pos, v in values.items() if last_values.get(pos) == v}
-        if n >= (2 if self.shape_read else 3):
-            suspects = [(float(n), "n"), (1.0 / n, "1 / n")]
-            for s, what in _batch_statistics([t for t in externals if _batched(t, n)], batch):
-                if s >= 3 and s != n:
-                    suspects += [(s, what), (1.0 / s, f"1 / ({what})")]
-            for pos, v, tol in found:
-                if pos in cleared:
+        stats = {("n",): (float(n), "n", 0.0)}
+        for ident, value, what, slack in _batch_statistics([(i, t) for i, t in zip(self.externals, externals) if _batched(t, n)]):
+            if value >= 3 and value != n:
+                stats[ident] = (value, what, slack)
+        last_stats, last_values, cleared = history.get(key, ({}, {}, frozenset()))
+        values = {pos: v for pos, v, _, _ in found}
+
+        def matches(v: float, tol: float, table: dict, own: int | None) -> list:
+            return [
+                ident for ident, (s, _, slack) in table.items()
+                if (own is None or ident[0] in ("n", own))
+                and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
+            ]
+
+        cleared = set(cleared)
+        for pos, v, tol, own in found:
+            if pos in cleared or last_values.get(pos) != v:
+                continue
+            seen = set(matches(v, tol, stats, own)) | set(matches(v, tol, last_stats, own))
+            if all(stats.get(i, (None,))[0] != last_stats.get(i, (None,))[0] for i in seen):
+                cleared.add(pos)  # the number stayed while what it matched moved: a constant
+        history[key] = (stats, values, frozenset(cleared))
+        if n < 2:
+            return  # one example: its own statistics are not the batch's
+        for pos, v, tol, own in found:
+            if pos in cleared:
+                continue
+            for ident in matches(v, tol, stats, own):
+                if ident == ("n",) and n < (2 if self.shape_read else 3):
                     continue
-                for suspect, what in suspects:
-                    if abs(v - suspect) <= tol * suspect:
-                        raise UnsupportedOperationError(
-                            f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
-                            "loss divided by the batch size (len(x), x.size(0)) or by another statistic "
-                            "of the batch (its token count, x.numel()) makes each example's gradient "
-                            "depend on the others that came with it, which breaks the "
-                            "sensitivity bound. Use the mean or sum over the batch (reduction='mean' "
-                            "or 'sum', .mean()) and declare it with loss_reduction. A constant that "
-                            "only happens to equal this batch's size is cleared once a batch of "
-                            "another size has been seen: this draw is charged at the next step, and "
-                            "the loop may go on with the next batch."
-                        )
-        history[key] = (n, values, cleared)
+                s, what, slack = stats[ident]
+                what = what if abs(v - s) <= max(tol, slack) * s else f"1 / ({what})" if ident != ("n",) else "1 / n"
+                raise UnsupportedOperationError(
+                    f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
+                    "loss divided by the batch size (len(x), x.size(0)) or by another statistic "
+                    "of the batch (its token count, mask.sum()) makes each example's gradient "
+                    "depend on the others that came with it, which breaks the "
+                    "sensitivity bound. Use the mean or sum over the batch (reduction='mean' "
+                    "or 'sum', .mean()) and declare it with loss_reduction. A constant that "
+                    "only happens to equal this batch's size or count is cleared once a batch "
+                    "with another has shown it fixed: this draw is charged at the next step, "
+                    "and the loop may go on with the next batch."
+                )
 
 
 _NUMBER = "<number>"
@@ -388,31 +409,35 @@ def _common_value(t: torch.Tensor) -> float | None:
     return float(nz[0])
 
 
-def _batch_statistics(read: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[tuple[float, str]]:
-    """Numbers a loss might divide by that depend on the whole batch: the number of entries of
-    each batched tensor (``read``: those the loss reads; ``inputs``: the model's), and of those
-    the loss reads, a float or bool tensor's sum and count of non-zero entries (a mask's token
-    count, a weight total), an integer tensor's counts of non-zero and of non-negative entries
-    where it has several per example (labels other than a padding id or a negative ignore
-    index; not one class label per example, whose counts are too often a round number)."""
-    out: list[tuple[float, str]] = []
-    for t, is_read in [(t, True) for t in read] + [(t, False) for t in inputs]:
-        if not isinstance(t, torch.Tensor) or t.is_complex() or t.numel() == 0:
+def _batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tuple[Any, str], float, str, float]]:
+    """Numbers a loss might divide by that depend on the whole batch, from the batched
+    tensors it reads (``(index, tensor)`` pairs): a float or bool tensor's sum and count of
+    non-zero entries (a mask's token count, a weight total), an integer tensor's counts of
+    non-zero and of non-negative entries where it has several per example (labels other than
+    a padding id or a negative ignore index; not one class label per example, whose counts
+    are too often a round number), and each one's number of entries. As ``(ident, value,
+    description, relative slack)``, ``ident = (index, kind)`` the same at every step of one
+    loss, the slack what the statistic's own rounding may add to a number's tolerance."""
+    out: list[tuple[tuple[Any, str], float, str, float]] = []
+    for i, t in read:
+        if t.is_complex() or t.numel() == 0:
             continue
         name = f"the batch's tensor of shape {tuple(t.shape)}"
-        out.append((float(t.numel()), f"the number of entries of {name}"))
-        if not is_read:
-            continue
+        out.append(((i, "numel"), float(t.numel()), f"the number of entries of {name}", 0.0))
         d = t.detach()
         with torch.no_grad():
             if d.dtype.is_floating_point or d.dtype == torch.bool:
                 total = float(d.double().sum())
                 if math.isfinite(total):
-                    out.append((total, f"the sum of {name}"))
-                out.append((float((d != 0).sum()), f"the count of non-zero entries of {name}"))
+                    # A sum the loss computed in the tensor's own dtype may round: within
+                    # 4 numel u of the exact one, unless every entry is a whole number (a mask).
+                    exact = d.dtype == torch.bool or bool((d == d.round()).all())
+                    slack = 0.0 if exact else 4 * d.numel() * torch.finfo(d.dtype).eps
+                    out.append(((i, "sum"), total, f"the sum of {name}", slack))
+                out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
             elif d.dim() >= 2:
-                out.append((float((d != 0).sum()), f"the count of non-zero entries of {name}"))
-                out.append((float((d >= 0).sum()), f"the count of non-negative entries of {name}"))
+                out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
+                out.append(((i, "nonneg"), float((d >= 0).sum()), f"the count of non-negative entries of {name}", 0.0))
     return out
 
 
