@@ -541,6 +541,61 @@ def test_a_token_count_normaliser_is_never_cleared():
     assert refused > 10
 
 
+def _steps_of_one_scaled_loss(steps):
+    """Run Program.check_batch_size over ``steps`` of (n, mask count, number the loss is
+    scaled by), with a (n, 4) float mask the loss reads; True where the step was accepted."""
+    import dataclasses
+
+    from opake_compile.opacus._tape import Program
+
+    @dataclasses.dataclass(frozen=True)
+    class Scaled(Program):
+        value: float = 0.0
+
+        def scaling_constants(self, externals, n=None):
+            return ("one loss",), [(0, self.value, 1e-9, None)]
+
+    history, out = {}, []
+    for n, count, value in steps:
+        mask = torch.zeros(n * 4)
+        mask[:count] = 1.0
+        program = Scaled(ops=(), target=0, externals=(0,), tainted=(), value=value)
+        try:
+            program.check_batch_size(n, [mask.view(n, 4)], history)
+            out.append(True)
+        except UnsupportedOperationError:
+            out.append(False)
+    return out
+
+
+def test_empty_draws_with_a_scaling_constant_train():
+    # An empty Poisson draw after a step scaled by the same constant divided by n = 0 in the
+    # statistics check (ZeroDivisionError at loss.backward()).
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=24, batch_size=1, sigma=1.0, C=1.0, reduction="sum")
+    sizes = []
+    for _ in range(2):
+        for x, y in loader:
+            sizes.append(len(x))
+            (F.cross_entropy(pmodel(x), y, reduction="sum") / 4.0).backward()
+            popt.step()
+            popt.zero_grad()
+    assert sizes.count(0) > 0 and popt.dp.steps == len(sizes)
+
+
+def test_a_statistic_is_not_cleared_by_steps_where_it_was_small_or_equal_to_n():
+    # A reviewer-style edge: the normaliser is the mask's count throughout. At two steps the
+    # count was 2 (below the refusal threshold), or equal to n and then the same at another
+    # n; read as "the number stayed while nothing it matched moved", it was cleared for good
+    # and every later step leaked. It must be refused wherever its count is 3 or more.
+    assert _steps_of_one_scaled_loss([(4, 2, 2.0), (3, 2, 2.0), (5, 10, 10.0), (6, 9, 9.0)]) == [True, True, False, False]
+    assert _steps_of_one_scaled_loss([(5, 5, 5.0), (4, 5, 5.0), (6, 9, 9.0)]) == [False, False, False]
+    # An empty batch (n = 0) with a scaling constant: no statistic is zero-divided.
+    assert _steps_of_one_scaled_loss([(3, 1, 0.25), (0, 0, 0.25), (3, 2, 0.25)]) == [True, True, True]
+    # A fixed constant that equals the first batch's size and count by chance is cleared by
+    # the next step, where both moved and it did not.
+    assert _steps_of_one_scaled_loss([(8, 8, 8.0), (7, 7, 8.0), (8, 8, 8.0), (9, 8, 8.0)]) == [False, True, True, True]
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_weights_of_each_examples_own_and_fixed_factors_still_train(mode):
     # Per-example weights that are each example's own (a function of its label) and fixed

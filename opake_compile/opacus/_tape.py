@@ -344,17 +344,19 @@ class Program:
             UnsupportedOperationError: such a constant, with the operation that uses it.
         """
         key, found = self.scaling_constants(externals, n)
+        # Every statistic, whatever its value: the refusal below reads only n and those >= 3,
+        # but clearing must see a true statistic match itself at every step (one of 2 tokens at
+        # two steps, or one equal to n, would otherwise look like a constant and be cleared).
         stats = {("n",): (float(n), "n", 0.0)}
         for ident, value, what, slack in _batch_statistics([(i, t) for i, t in zip(self.externals, externals) if _batched(t, n)]):
-            if value >= 3 and value != n:
-                stats[ident] = (value, what, slack)
+            stats[ident] = (value, what, slack)
         last_stats, last_values, cleared = history.get(key, ({}, {}, frozenset()))
         values = {pos: v for pos, v, _, _ in found}
 
         def matches(v: float, tol: float, table: dict, own: int | None) -> list:
             return [
                 ident for ident, (s, _, slack) in table.items()
-                if (own is None or ident[0] in ("n", own))
+                if s > 0 and (own is None or ident[0] in ("n", own))
                 and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
             ]
 
@@ -372,9 +374,9 @@ class Program:
             if pos in cleared:
                 continue
             for ident in matches(v, tol, stats, own):
-                if ident == ("n",) and n < (2 if self.shape_read else 3):
-                    continue
                 s, what, slack = stats[ident]
+                if (ident == ("n",) and n < (2 if self.shape_read else 3)) or (ident != ("n",) and (s < 3 or s == n)):
+                    continue
                 what = what if abs(v - s) <= max(tol, slack) * s else f"1 / ({what})" if ident != ("n",) else "1 / n"
                 raise UnsupportedOperationError(
                     f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
