@@ -541,9 +541,9 @@ def test_a_token_count_normaliser_is_never_cleared():
     assert refused > 10
 
 
-def _steps_of_one_scaled_loss(steps):
+def _steps_of_one_scaled_loss(steps, dtype=torch.float32, width=4, tol=1e-9):
     """Run Program.check_batch_size over ``steps`` of (n, mask count, number the loss is
-    scaled by), with a (n, 4) float mask the loss reads; True where the step was accepted."""
+    scaled by), with a (n, width) mask the loss reads; True where the step was accepted."""
     import dataclasses
 
     from opake_compile.opacus._tape import Program
@@ -553,15 +553,15 @@ def _steps_of_one_scaled_loss(steps):
         value: float = 0.0
 
         def scaling_constants(self, externals, n=None):
-            return ("one loss",), [(0, self.value, 1e-9, None)]
+            return ("one loss",), [(0, self.value, tol, None)]
 
     history, out = {}, []
     for n, count, value in steps:
-        mask = torch.zeros(n * 4)
+        mask = torch.zeros(n * width)
         mask[:count] = 1.0
         program = Scaled(ops=(), target=0, externals=(0,), tainted=(), value=value)
         try:
-            program.check_batch_size(n, [mask.view(n, 4)], history)
+            program.check_batch_size(n, [mask.view(n, width).to(dtype)], history)
             out.append(True)
         except UnsupportedOperationError:
             out.append(False)
@@ -591,9 +591,20 @@ def test_a_statistic_is_not_cleared_by_steps_where_it_was_small_or_equal_to_n():
     assert _steps_of_one_scaled_loss([(5, 5, 5.0), (4, 5, 5.0), (6, 9, 9.0)]) == [False, False, False]
     # An empty batch (n = 0) with a scaling constant: no statistic is zero-divided.
     assert _steps_of_one_scaled_loss([(3, 1, 0.25), (0, 0, 0.25), (3, 2, 0.25)]) == [True, True, True]
+    # A second reviewer's sequences: a statistic that matched nothing at two steps (a count of
+    # 0 clamped to 1, two empty draws, a count of 0 then 1) was cleared as a constant, and so
+    # was a bfloat16 count that rounded to the same value at two steps; both leaked after.
+    assert _steps_of_one_scaled_loss([(4, 0, 1.0), (4, 1, 1.0), (4, 10, 10.0), (5, 12, 12.0)]) == [True, True, False, False]
+    assert _steps_of_one_scaled_loss([(4, 0, 1.0), (5, 0, 1.0), (4, 10, 10.0), (5, 12, 12.0)]) == [True, True, False, False]
+    assert _steps_of_one_scaled_loss([(0, 0, 0.0), (0, 0, 0.0), (4, 10, 10.0), (5, 12, 12.0)]) == [True, True, False, False]
+    bf16_tol = 4 * torch.finfo(torch.bfloat16).eps  # a one-element bfloat16 sum
+    assert _steps_of_one_scaled_loss([(4, 1000, 1000.0), (4, 1001, 1000.0), (4, 1600, 1600.0)],
+                                     dtype=torch.bfloat16, width=400, tol=bf16_tol) == [False, False, False]
     # A fixed constant that equals the first batch's size and count by chance is cleared by
-    # the next step, where both moved and it did not.
+    # the next step, where both moved and it did not; one that equals a later step's count
+    # is cleared at that step, the step before having shown it.
     assert _steps_of_one_scaled_loss([(8, 8, 8.0), (7, 7, 8.0), (8, 8, 8.0), (9, 8, 8.0)]) == [False, True, True, True]
+    assert _steps_of_one_scaled_loss([(5, 4, 8.0), (6, 5, 8.0), (8, 8, 8.0), (7, 9, 8.0)]) == [True, True, True, True]
 
 
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])

@@ -329,11 +329,13 @@ class Program:
         loss is compared with all of them; the common value of a batched tensor of weights
         with ``n`` and that tensor's own statistics.
 
-        A number is cleared for good once it kept its value between two steps while every
-        statistic it matched at either of them changed (``history``, kept by the caller per
-        loss structure): a constant that equals one step's n or token count by chance is
-        refused only while no such evidence exists (at the first step of a run), and a true
-        statistic, which follows the batch, is never cleared.
+        A number is cleared for good, at its value, once it kept that value between two consecutive steps,
+        matched a statistic at one of them, and every statistic it matched moved by more than
+        the match's tolerance (``history``, kept by the caller per loss structure): a constant
+        that equals a step's n or token count by chance is cleared at that step if the step
+        before showed it (so refused only at the first step of a run), and a true statistic,
+        which follows the batch, is never cleared, also where it matches nothing at some steps
+        (a count of 0, a clamp, a rounding).
 
         These are value heuristics: a statistic in another form (``/ (2 * len(x))``), weights
         normalised over the batch that differ between examples (``w / w.sum()``) and products
@@ -360,18 +362,29 @@ class Program:
                 and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
             ]
 
-        cleared = set(cleared)
+        def moved(ident: Any, tol: float) -> bool:
+            """Whether a statistic present at both steps changed by more than a match allows."""
+            if ident not in stats or ident not in last_stats:
+                return False
+            (a, _, slack), (b, _, _) = stats[ident], last_stats[ident]
+            return abs(a - b) > max(tol, slack) * max(abs(a), abs(b))
+
+        cleared = set(cleared)  # (position, value): a constant keeps its value, a statistic does not
         for pos, v, tol, own in found:
-            if pos in cleared or last_values.get(pos) != v:
+            if (pos, v) in cleared or last_values.get(pos) != v:
                 continue
+            # Evidence needs a match: a true statistic can match nothing at a step (a count of
+            # 0, a clamp such as max(count, 1), a rounding to bfloat16), and two such steps
+            # proved nothing. A rounded statistic stays within the tolerance it was matched
+            # with, so that is not a move either.
             seen = set(matches(v, tol, stats, own)) | set(matches(v, tol, last_stats, own))
-            if all(stats.get(i, (None,))[0] != last_stats.get(i, (None,))[0] for i in seen):
-                cleared.add(pos)  # the number stayed while what it matched moved: a constant
+            if seen and all(moved(i, tol) for i in seen):
+                cleared.add((pos, v))  # the number stayed while what it matched moved: a constant
         history[key] = (stats, values, frozenset(cleared))
         if n < 2:
             return  # one example: its own statistics are not the batch's
         for pos, v, tol, own in found:
-            if pos in cleared:
+            if (pos, v) in cleared:
                 continue
             for ident in matches(v, tol, stats, own):
                 s, what, slack = stats[ident]
@@ -433,7 +446,8 @@ def _batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tu
                 if math.isfinite(total):
                     # A sum the loss computed in the tensor's own dtype may round: within
                     # 4 numel u of the exact one, unless every entry is a whole number (a mask).
-                    exact = d.dtype == torch.bool or bool((d == d.round()).all())
+                    d64 = d.double()  # (round has no kernel for every dtype: float8)
+                    exact = d.dtype == torch.bool or bool((d64 == d64.round()).all())
                     slack = 0.0 if exact else 4 * d.numel() * torch.finfo(d.dtype).eps
                     out.append(((i, "sum"), total, f"the sum of {name}", slack))
                 out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
