@@ -607,6 +607,63 @@ def test_a_statistic_is_not_cleared_by_steps_where_it_was_small_or_equal_to_n():
     assert _steps_of_one_scaled_loss([(5, 4, 8.0), (6, 5, 8.0), (8, 8, 8.0), (7, 9, 8.0)]) == [True, True, True, True]
 
 
+def _checked(steps):
+    """Program.check_batch_size over ``steps`` of (n, tensors the loss reads, number, its
+    tolerance, index of the batched tensor it is the common value of or None); True where
+    the step was accepted."""
+    import dataclasses
+
+    from opake_compile.opacus._tape import Program
+
+    @dataclasses.dataclass(frozen=True)
+    class Scaled(Program):
+        found: tuple = ()
+
+        def scaling_constants(self, externals, n=None):
+            return ("one loss",), list(self.found)
+
+    history, out = {}, []
+    for n, tensors, value, tol, own in steps:
+        program = Scaled(ops=(), target=0, externals=tuple(range(len(tensors))), tainted=(), found=((0, value, tol, own),))
+        try:
+            program.check_batch_size(n, tensors, history)
+            out.append(True)
+        except UnsupportedOperationError:
+            out.append(False)
+    return out
+
+
+def test_rounded_statistics_and_other_tensors_counts_are_not_cleared_or_missed():
+    # A third reviewer's cases. A float16 mask count read back in float32 matches nothing at a
+    # step where it rounded (2049 -> 2048); the exact count then "moved" by 1 and 2048 was
+    # cleared, so every later step with exactly 2048 tokens leaked.
+    u32 = 4 * torch.finfo(torch.float32).eps
+    steps = []
+    for count in (2049, 2048, 2048, 2050, 2048):
+        m = torch.zeros(8 * 400)
+        m[:count] = 1.0
+        m = m.view(8, 400).half()
+        steps.append((8, [m], float(m.sum().float()), u32, None))
+    assert _checked(steps) == [True, False, False, False, False]  # the rounded first step is not recognised
+    # A float16 weight total (100.03, read as 100.0 within its rounding) and then exact
+    # integer weights summing to 100: not a move of the statistic.
+    w1 = torch.full((4, 4), 100.03 / 16).half()
+    w2 = torch.zeros(4, 4)
+    w2.view(-1)[:10] = 10.0
+    assert _checked([(4, [w1], float(w1.float().sum()), u32, None), (4, [w2], 100.0, u32, None),
+                     (4, [w2], 100.0, u32, None)]) == [False, False, False]
+    # A batch-wide weight 1 / count, with the count another tensor's (the mask's).
+    for count in (5, 7, 9):
+        m = torch.zeros(16)
+        m[:count] = 1.0
+        m = m.view(4, 4)
+        w = torch.ones(4, 4) / m.sum()
+        assert _checked([(4, [m, w], float(w[0, 0]), u32, 1)]) == [False]
+    # Tensor types without every comparison kernel, and a sparse one: no crash.
+    for t in (torch.ones(4, 3, dtype=torch.uint16), torch.ones(4, 3, dtype=torch.uint64), torch.eye(4).to_sparse()):
+        assert _checked([(4, [t], 2.5, 1e-9, None)]) == [True]
+
+
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_weights_of_each_examples_own_and_fixed_factors_still_train(mode):
     # Per-example weights that are each example's own (a function of its label) and fixed

@@ -325,13 +325,13 @@ class Program:
         recorded, and a factor 2 or 1/2 is too common to refuse on its value alone); and from
         ``n = 2``, each statistic ``s >= 3`` of the batched tensors the loss reads
         (:func:`_batch_statistics`: a mask's count, a weight total, a count of token labels).
-        A real number or one-element tensor that scales (multiplies or divides) a value of the
-        loss is compared with all of them; the common value of a batched tensor of weights
-        with ``n`` and that tensor's own statistics.
+        A real number, a one-element tensor, or the common value of a batched tensor of
+        weights that scales (multiplies or divides) a value of the loss is compared with all
+        of them.
 
         A number is cleared for good, at its value, once it kept that value between two consecutive steps,
         matched a statistic at one of them, and every statistic it matched moved by more than
-        the match's tolerance (``history``, kept by the caller per loss structure): a constant
+        the match's tolerance and :data:`_EVIDENCE` (``history``, kept by the caller per loss structure): a constant
         that equals a step's n or token count by chance is cleared at that step if the step
         before showed it (so refused only at the first step of a run), and a true statistic,
         which follows the batch, is never cleared, also where it matches nothing at some steps
@@ -358,16 +358,17 @@ class Program:
         def matches(v: float, tol: float, table: dict, own: int | None) -> list:
             return [
                 ident for ident, (s, _, slack) in table.items()
-                if s > 0 and (own is None or ident[0] in ("n", own))
-                and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
+                if s > 0 and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
             ]
 
         def moved(ident: Any, tol: float) -> bool:
-            """Whether a statistic present at both steps changed by more than a match allows."""
+            """Whether a statistic present at both steps changed by more than a match allows,
+            and by more than a rounding the number may carry beyond its stated tolerance (a
+            float16 or bfloat16 sum read back as float32: :data:`_EVIDENCE`)."""
             if ident not in stats or ident not in last_stats:
                 return False
-            (a, _, slack), (b, _, _) = stats[ident], last_stats[ident]
-            return abs(a - b) > max(tol, slack) * max(abs(a), abs(b))
+            (a, _, slack_a), (b, _, slack_b) = stats[ident], last_stats[ident]
+            return abs(a - b) > max(tol, slack_a, slack_b, _EVIDENCE) * max(abs(a), abs(b))
 
         cleared = set(cleared)  # (position, value): a constant keeps its value, a statistic does not
         for pos, v, tol, own in found:
@@ -406,6 +407,11 @@ class Program:
 
 _NUMBER = "<number>"
 
+#: How far (relative) a statistic must move between two steps for a number that stayed to be
+#: read as a constant: beyond a float16 or bfloat16 rounding of the statistic (2^-9, 2^-8)
+#: that the number may carry although it was converted to float32 or read with ``.item()``.
+_EVIDENCE = 2.0**-5
+
 
 def _batched(t: torch.Tensor, n: int) -> bool:
     return t.dim() >= 1 and t.shape[0] == n
@@ -415,6 +421,8 @@ def _common_value(t: torch.Tensor) -> float | None:
     """The value every non-zero entry of ``t`` has (a batch-wide constant, or a mask scaled by
     one number), or None (no non-zero entry, or two different ones). A one-element tensor's
     value, zero included."""
+    if t.is_complex() or t.is_sparse:
+        return None
     flat = t.detach().reshape(-1)
     if flat.numel() == 1:
         return float(flat[0])
@@ -439,7 +447,9 @@ def _batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tu
             continue
         name = f"the batch's tensor of shape {tuple(t.shape)}"
         out.append(((i, "numel"), float(t.numel()), f"the number of entries of {name}", 0.0))
-        d = t.detach()
+        d = t.detach().to_dense() if t.is_sparse else t.detach()
+        if not (d.dtype.is_floating_point or d.dtype == torch.bool):
+            d = d.to(torch.int64)  # comparisons have no kernel for every integer type (uint16)
         with torch.no_grad():
             if d.dtype.is_floating_point or d.dtype == torch.bool:
                 total = float(d.double().sum())
