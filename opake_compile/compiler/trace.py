@@ -236,10 +236,7 @@ def _refill(value: Any, contents: list) -> None:
     """Put ``contents`` (from :func:`_contents`) back into the container ``value`` in place."""
     if isinstance(value, list):
         value[:] = contents
-    elif isinstance(value, dict):
-        value.clear()
-        value.update(contents)
-    else:
+    else:  # a dict (its (key, value) pairs) or a set
         value.clear()
         value.update(contents)
 

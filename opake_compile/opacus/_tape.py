@@ -276,16 +276,15 @@ class Program:
                     )
 
 
-    def scaling_constants(self, externals: Sequence[torch.Tensor], n: int | None = None) -> tuple[Any, list[tuple[int, float, float, int | None]]]:
+    def scaling_constants(self, externals: Sequence[torch.Tensor], n: int | None = None) -> tuple[Any, list[tuple[int, float, float]]]:
         """``(structure, constants)``: the program with its numbers masked (a key that is the
         same at every step of one loss), and each number that scales a value of the loss (a
         real number, a one-element tensor it reads, or, given the batch size ``n``, the common
         value of a batched tensor whose non-zero entries are all equal: ``torch.full((n,),
-        1 / n)``, ``mask / mask.sum()``) as ``(position, value, relative tolerance, own)``,
-        the tolerance that of the number's dtype and ``own`` the index of the batched tensor a
-        common value came from (None for a number)."""
+        1 / n)``, ``mask / mask.sum()``) as ``(position, value, relative tolerance)``, the
+        tolerance that of the number's dtype."""
         ext = dict(zip(self.externals, externals))
-        found: list[tuple[int, float, float, int | None]] = []
+        found: list[tuple[int, float, float]] = []
         position = 0
 
         def mask(leaf: Any) -> Any:
@@ -296,13 +295,14 @@ class Program:
             if getattr(op.func, "__name__", "") in _SCALINGS:
                 for leaf in optree.tree_leaves((op.args, op.kwargs), none_is_leaf=True):
                     t = ext.get(leaf.index) if isinstance(leaf, _Ext) else None
-                    own = None if t is None or t.numel() == 1 else leaf.index
-                    common = None if t is None else _common_value(t) if t.numel() == 1 or (n is not None and _batched(t, n)) else None
+                    common = None
+                    if t is not None and (t.numel() == 1 or (n is not None and _batched(t, n))):
+                        common = _common_value(t)
                     if common is not None:
                         tol = 4 * torch.finfo(t.dtype).eps if t.dtype.is_floating_point else 1e-9
-                        found.append((position, common, tol, own))
+                        found.append((position, common, tol))
                     elif _real(leaf):
-                        found.append((position, float(leaf), 1e-9, None))
+                        found.append((position, float(leaf), 1e-9))
                     position += 1
             masked = optree.tree_map(mask, (op.args, op.kwargs), none_is_leaf=True)
             structure.append((op.func, repr(masked), op.outs))
@@ -329,13 +329,13 @@ class Program:
         weights that scales (multiplies or divides) a value of the loss is compared with all
         of them.
 
-        A number is cleared for good, at its value, once it kept that value between two consecutive steps,
-        matched a statistic at one of them, and every statistic it matched moved by more than
-        the match's tolerance and :data:`_EVIDENCE` (``history``, kept by the caller per loss structure): a constant
-        that equals a step's n or token count by chance is cleared at that step if the step
-        before showed it (so refused only at the first step of a run), and a true statistic,
-        which follows the batch, is never cleared, also where it matches nothing at some steps
-        (a count of 0, a clamp, a rounding).
+        A number is cleared for good, at its value, once it kept that value between two
+        consecutive steps, matched a statistic at one of them, and every statistic it matched
+        moved by more than the match's tolerance and :data:`_EVIDENCE` (``history``, kept by
+        the caller per loss structure): a constant that equals a step's n or token count by
+        chance is cleared at that step if the step before showed it (so refused only at the
+        first step of a run), and a true statistic, which follows the batch, is never cleared,
+        also where it matches nothing at some steps (a count of 0, a clamp, a rounding).
 
         These are value heuristics: a statistic in another form (``/ (2 * len(x))``), weights
         normalised over the batch that differ between examples (``w / w.sum()``) and products
@@ -353,13 +353,16 @@ class Program:
         for ident, value, what, slack in _batch_statistics([(i, t) for i, t in zip(self.externals, externals) if _batched(t, n)]):
             stats[ident] = (value, what, slack)
         last_stats, last_values, cleared = history.get(key, ({}, {}, frozenset()))
-        values = {pos: v for pos, v, _, _ in found}
+        values = {pos: v for pos, v, _ in found}
 
-        def matches(v: float, tol: float, table: dict, own: int | None) -> list:
-            return [
-                ident for ident, (s, _, slack) in table.items()
-                if s > 0 and (abs(v - s) <= max(tol, slack) * s or abs(v - 1.0 / s) <= max(tol, slack) / s)
-            ]
+        def matches(v: float, tol: float, table: dict) -> dict:
+            """The statistics of ``table`` that ``v`` equals, each -> whether as its inverse."""
+            out = {}
+            for ident, (s, _, slack) in table.items():
+                t = max(tol, slack)
+                if s > 0 and (abs(v - s) <= t * s or abs(v - 1.0 / s) <= t / s):
+                    out[ident] = abs(v - s) > t * s
+            return out
 
         def moved(ident: Any, tol: float) -> bool:
             """Whether a statistic present at both steps changed by more than a match allows,
@@ -371,27 +374,27 @@ class Program:
             return abs(a - b) > max(tol, slack_a, slack_b, _EVIDENCE) * max(abs(a), abs(b))
 
         cleared = set(cleared)  # (position, value): a constant keeps its value, a statistic does not
-        for pos, v, tol, own in found:
+        for pos, v, tol in found:
             if (pos, v) in cleared or last_values.get(pos) != v:
                 continue
             # Evidence needs a match: a true statistic can match nothing at a step (a count of
             # 0, a clamp such as max(count, 1), a rounding to bfloat16), and two such steps
             # proved nothing. A rounded statistic stays within the tolerance it was matched
             # with, so that is not a move either.
-            seen = set(matches(v, tol, stats, own)) | set(matches(v, tol, last_stats, own))
+            seen = matches(v, tol, stats).keys() | matches(v, tol, last_stats).keys()
             if seen and all(moved(i, tol) for i in seen):
                 cleared.add((pos, v))  # the number stayed while what it matched moved: a constant
         history[key] = (stats, values, frozenset(cleared))
         if n < 2:
             return  # one example: its own statistics are not the batch's
-        for pos, v, tol, own in found:
+        for pos, v, tol in found:
             if (pos, v) in cleared:
                 continue
-            for ident in matches(v, tol, stats, own):
-                s, what, slack = stats[ident]
+            for ident, inverse in matches(v, tol, stats).items():
+                s, what, _ = stats[ident]
                 if (ident == ("n",) and n < (2 if self.shape_read else 3)) or (ident != ("n",) and (s < 3 or s == n)):
                     continue
-                what = what if abs(v - s) <= max(tol, slack) * s else f"1 / ({what})" if ident != ("n",) else "1 / n"
+                what = ("1 / n" if ident == ("n",) else f"1 / ({what})") if inverse else what
                 raise UnsupportedOperationError(
                     f"The loss is scaled by {v!r}, and this batch has {n} examples ({v!r} is {what}): a "
                     "loss divided by the batch size (len(x), x.size(0)) or by another statistic "
@@ -448,21 +451,23 @@ def _batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tu
         name = f"the batch's tensor of shape {tuple(t.shape)}"
         out.append(((i, "numel"), float(t.numel()), f"the number of entries of {name}", 0.0))
         d = t.detach().to_dense() if t.is_sparse else t.detach()
-        if not (d.dtype.is_floating_point or d.dtype == torch.bool):
-            d = d.to(torch.int64)  # comparisons have no kernel for every integer type (uint16)
+        real = d.dtype.is_floating_point or d.dtype == torch.bool
+        if not real and d.dim() < 2:
+            continue
         with torch.no_grad():
-            if d.dtype.is_floating_point or d.dtype == torch.bool:
-                total = float(d.double().sum())
+            # In float64 and int64: comparisons and round have no kernel for every dtype
+            # (uint16, float8).
+            d = d.double() if real else d.to(torch.int64)
+            if real:
+                total = float(d.sum())
                 if math.isfinite(total):
                     # A sum the loss computed in the tensor's own dtype may round: within
                     # 4 numel u of the exact one, unless every entry is a whole number (a mask).
-                    d64 = d.double()  # (round has no kernel for every dtype: float8)
-                    exact = d.dtype == torch.bool or bool((d64 == d64.round()).all())
-                    slack = 0.0 if exact else 4 * d.numel() * torch.finfo(d.dtype).eps
+                    exact = t.dtype == torch.bool or bool((d == d.round()).all())
+                    slack = 0.0 if exact else 4 * d.numel() * torch.finfo(t.dtype).eps
                     out.append(((i, "sum"), total, f"the sum of {name}", slack))
-                out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
-            elif d.dim() >= 2:
-                out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
+            out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
+            if not real:
                 out.append(((i, "nonneg"), float((d >= 0).sum()), f"the count of non-negative entries of {name}", 0.0))
     return out
 
