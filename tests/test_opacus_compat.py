@@ -552,6 +552,20 @@ def _steps_of_one_scaled_loss(steps, dtype=torch.float32, width=4, tol=1e-9):
     return _checked(checked)
 
 
+def test_empty_draws_with_a_scaling_constant_train():
+    # An empty Poisson draw after a step scaled by the same constant divided by n = 0 in the
+    # statistics check (ZeroDivisionError at loss.backward()).
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=24, batch_size=1, sigma=1.0, C=1.0, reduction="sum")
+    sizes = []
+    for _ in range(2):
+        for x, y in loader:
+            sizes.append(len(x))
+            (F.cross_entropy(pmodel(x), y, reduction="sum") / 4.0).backward()
+            popt.step()
+            popt.zero_grad()
+    assert sizes.count(0) > 0 and popt.dp.steps == len(sizes)
+
+
 def test_a_statistic_is_not_cleared_by_steps_where_it_was_small_or_equal_to_n():
     # A reviewer-style edge: the normaliser is the mask's count throughout. At two steps the
     # count was 2 (below the refusal threshold), or equal to n and then the same at another
