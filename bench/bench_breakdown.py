@@ -32,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2_t512_b2", help="gpt2_t<T>_b<B> (GPT-2 width, 2 layers)")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--attention", default="sdpa", choices=("eager", "sdpa"),
+                    help="attn_implementation of the GPT-2 model (as in bench_shapes.py)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="1: CPU time on one thread; more: wall time")
     ap.add_argument("--compare-ghost-embeddings", action="store_true")
@@ -53,7 +55,7 @@ def main() -> None:
     icfg.cpp.enable_kernel_profile = ns.profile
     t, b = (int(v) for v in ns.model.removeprefix("gpt2_t").split("_b"))
     torch.manual_seed(0)
-    spec = bench_shapes.build_gpt2(bs, ns.quick, t, b, ns.vocab)
+    spec = bench_shapes.build_gpt2(bs, ns.quick, t, b, ns.vocab, ns.attention)
     b = spec.batch_size
     args = spec.make_batch(spec.batch_size, torch.Generator().manual_seed(1))
     model = spec.model
