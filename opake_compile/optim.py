@@ -89,11 +89,23 @@ def _claim_key(key: Any, opt: Any) -> None:
     held = _KEY_OWNERS.get(id(key))
     if held is not None and held[0] is key and held[1]() is not None:
         raise ConfigurationError(
-            "This key (or noise=(fn, state) pair) is already used by another DPOptimizer: both would "
-            "add the same noise, so the difference of their updates would carry no noise. Give each "
-            "optimizer its own key (opake_compile.random.split) or its own mf_gaussian_noise(...)."
+            "This key (or noise=(fn, state) pair) is already used by another DPOptimizer (or an "
+            "Opacus-style PrivacyEngine / make_private call): both would add the same noise, so the "
+            "difference of their updates would carry no noise. Give each optimizer its own key "
+            "(opake_compile.random.split) or its own mf_gaussian_noise(...)."
         )
     _KEY_OWNERS[id(key)] = (key, weakref.ref(opt))
+
+
+def _check_delta(delta: float, dataset_size: int, what: str) -> None:
+    """Refuse a target delta of at least 1/N: releasing one random record in full is already
+    (0, 1/N)-DP, so such a guarantee protects nobody."""
+    if delta >= 1.0 / dataset_size:
+        raise ConfigurationError(
+            f"{what}={delta:g} is at least 1/N = {1.0 / dataset_size:.3g} (N = {dataset_size}): "
+            "releasing one random record in full is already (0, 1/N)-DP, so such a delta protects "
+            "nobody. Use delta well below 1/N (e.g. 1/N^1.1 or smaller)."
+        )
 
 
 def _check_noise_scale(std: float, targets: Mapping[str, torch.Tensor], divisor: float) -> None:
@@ -449,12 +461,8 @@ class DPOptimizer:
                 f"Expected budget from accounting.epsilon_budget/delta_budget, got {type(budget).__name__}."
             )
         delta = getattr(budget, "delta", None)
-        if delta is not None and delta >= 1.0 / self.dataset_size:
-            raise ConfigurationError(
-                f"The budget's delta={delta:g} is at least 1/N = {1.0 / self.dataset_size:.3g} (N = "
-                f"{self.dataset_size}): releasing one random record in full is already (0, 1/N)-DP, so "
-                "such a delta protects nobody. Use delta well below 1/N (e.g. 1/N^1.1 or smaller)."
-            )
+        if delta is not None:
+            _check_delta(delta, self.dataset_size, "The budget's delta")
         return budget
 
     def max_steps(self) -> int | None:

@@ -887,3 +887,39 @@ def test_a_constant_equal_to_one_batch_size_is_cleared_once_another_size_was_see
     x, y = next(iter(loader))
     with pytest.raises(UnsupportedOperationError, match="is 1 / n"):
         (F.cross_entropy(pmodel(x), y) * (1.0 / len(x))).backward()
+
+
+def test_one_key_object_for_two_runs_is_refused():
+    # An lr sweep on one dataset: two make_private calls (or two engines) given one key object
+    # would split it into the same sampling and noise keys, so the difference of the two runs'
+    # updates would carry no noise, while get_epsilon composed them as independent. A review
+    # found both accepted (DPOptimizer itself refuses one key for two optimizers).
+    from opake_compile import random as opake_random
+
+    k = opake_random.key(7)
+    engine = PrivacyEngine(backend=BACKEND)
+    model = _mlp()
+    loader = DataLoader(_data(), batch_size=4)
+    engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                        noise_multiplier=1.0, max_grad_norm=1.0, key=k)
+    other = _mlp()
+    with pytest.raises(ConfigurationError, match="already used by another DPOptimizer"):
+        engine.make_private(module=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), data_loader=loader,
+                            noise_multiplier=1.0, max_grad_norm=1.0, key=k)
+    assert len(engine._optimizers) == 1  # the refused call left nothing behind
+    # Keys of equal value (seeded alike) stay allowed: two runs of one script.
+    engine.make_private(module=other, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), data_loader=loader,
+                        noise_multiplier=1.0, max_grad_norm=1.0, key=opake_random.key(7))
+    e = opake_random.key(8)
+    PrivacyEngine(backend=BACKEND, key=e)
+    with pytest.raises(ConfigurationError, match="already used by another DPOptimizer"):
+        PrivacyEngine(backend=BACKEND, key=e)
+
+
+def test_a_target_delta_of_at_least_one_over_n_is_refused():
+    model = _mlp()
+    n = len(_data())
+    with pytest.raises(ConfigurationError, match="at least 1/N"):
+        PrivacyEngine(backend=BACKEND).make_private_with_epsilon(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(_data(), batch_size=4),
+            target_epsilon=1.0, target_delta=1.0 / n, epochs=1, max_grad_norm=1.0)

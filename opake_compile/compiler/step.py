@@ -372,14 +372,17 @@ class DPStep:
     @property
     def physical_batch_size(self) -> int | None:
         """The most rows one chunk holds: the explicit ``physical_batch_size``, or by default
-        n0 + 3 sqrt(n0) rounded up to 8 for the first non-empty batch size n0 (None before it)."""
+        n0 + 3 sqrt(n0) rounded up to 8 for the first non-empty batch size n0 (None before it).
+        **Not privatised** by default: n0 is a Poisson draw's realised size, which one example's
+        presence moves; do not publish it (nor :attr:`physical_sizes`, :meth:`describe`)."""
         return self._plan.max_rows
 
     @property
     def physical_sizes(self) -> tuple[int, ...]:
         """The physical batch sizes in use so far, ascending (each is one compiled graph per
         input signature). At most ``max_physical_sizes`` by default, one with an explicit
-        ``physical_batch_size``."""
+        ``physical_batch_size``. **Not privatised** by default: the sizes follow the realised
+        batch sizes, statistics of the data."""
         return tuple(sorted(self._plan.sizes))
 
     def plan(self, n: int) -> tuple[tuple[int, int], ...]:

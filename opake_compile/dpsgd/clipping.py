@@ -60,7 +60,13 @@ class ClipState(NamedTuple):
 
 class AdaptiveClipState(NamedTuple):
     """State of :func:`adaptive_clipped_grad`: the current clipping norm and the key that
-    draws the noise on the clipped-fraction count."""
+    draws the noise on the clipped-fraction count.
+
+    **Not privatised until its result is released.** A state returned by a call carries a norm
+    computed from that call's noisy count, which the accountant charges only when the call's
+    result is stepped on (``DPOptimizer.step``) or noised (``gaussian_noise``). Before then,
+    do not log or publish ``clipping_norm``: the norms of a call and of its retry on another
+    batch (the same count noise) reveal the exact difference of the two counts."""
 
     clipping_norm: float
     key: Any
@@ -464,7 +470,9 @@ def adaptive_clipped_grad(
     ``count_noise_multiplier=0`` warns that the norm update is not private (epsilon = inf).
     The returned state is usable once its result has been released (``DPOptimizer.step``, or
     ``gaussian_noise`` on the eager path): a call with a state whose result was never released
-    raises, since the norm it carries depends on a count that was not charged.
+    raises, since the norm it carries depends on a count that was not charged. For the same
+    reason its ``clipping_norm`` is not privatised before that release: do not log it earlier
+    (see :class:`AdaptiveClipState`).
 
     Returns:
         ``(grad_fn, state)``; the returned state carries the updated C and advanced key.

@@ -40,6 +40,7 @@ from opake_compile.functional import empty_collate
 from opake_compile.opacus import _tape
 from opake_compile.opacus._validator import ModuleValidator
 from opake_compile.optim import DPOptimizer as _OpakeDPOptimizer
+from opake_compile.optim import _check_delta, _claim_key
 from opake_compile.sampling import Draw, DrawId, PoissonSampler, _CollateWithDraw, _DrawDataset
 
 __all__ = [
@@ -649,6 +650,8 @@ class PrivacyEngine:
         UnsupportedOperationError: ``secure_mode=True``; an accountant we do not have
             (``"gdp"``).
         InputTypeError: ``key`` is not an :class:`opake_compile.random.Key`.
+        ConfigurationError: ``key`` is a key object another engine or optimizer already uses
+            (keys of equal value, seeded alike, are allowed: two runs of one script).
 
     Example::
 
@@ -673,6 +676,9 @@ class PrivacyEngine:
             )
         if key is not None and not isinstance(key, _random.Key):
             raise InputTypeError(f"Expected key to be an opake_compile.random.Key (from opake_compile.random.key(seed)), got {type(key).__name__}.")
+        if key is not None:
+            # Two engines given one key object split it alike: the same sampling and noise.
+            _claim_key(key, self)
         self._key = key
         self.secure_mode = False
         self.accountant_name = accountant
@@ -702,6 +708,10 @@ class PrivacyEngine:
         spent (use :class:`opake_compile.DPOptimizer`'s ``budget=`` for a hard stop).
 
         Other arguments: as :meth:`make_private`. Returns: as :meth:`make_private`.
+
+        Raises:
+            ConfigurationError: ``target_delta`` of at least 1/N (N the dataset's size), as
+                :class:`opake_compile.DPOptimizer`'s budget refuses it; and as :meth:`make_private`.
         """
         kwargs.pop("epsilon_tolerance", None)
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -709,6 +719,7 @@ class PrivacyEngine:
         steps = epochs * len(data_loader)
         q = 1.0 / len(data_loader)
         n = len(data_loader.dataset)
+        _check_delta(float(target_delta), n, "target_delta")
         sigma = _calibrated_sigma(float(target_epsilon), float(target_delta), q, n, steps, self._accountant.method)
         return self.make_private(
             module=module,
@@ -772,7 +783,9 @@ class PrivacyEngine:
                 or functorch grad samplers), ``poisson_sampling=False``, ``batch_first=False``,
                 ``wrap_model=False``, a distributed module, a module ``ModuleValidator``
                 rejects, an unknown keyword.
-            ConfigurationError: optimizer parameters that are not the module's, bad values.
+            ConfigurationError: optimizer parameters that are not the module's, bad values; a
+                ``key`` object already given to another ``make_private`` call, engine or
+                optimizer (the two runs would add the same noise).
         """
         if kwargs:
             raise _not_mapped(f"make_private keyword(s) {sorted(kwargs)}", "Remove them (see docs/migrating-from-opacus.md for what is mapped).")
@@ -826,6 +839,7 @@ class PrivacyEngine:
                     f"The criterion reduces with reduction={reduction!r} but loss_reduction={loss_reduction!r}: make them agree."
                 )
         max_grad_norm = float(max_grad_norm)
+        given_key = key  # a key object of the caller's: claimed below, once the optimizer exists
         if key is None:
             if noise_generator is not None:
                 # Drawn from the generator (advancing it), as Opacus draws its noise from it: two
@@ -854,6 +868,10 @@ class PrivacyEngine:
         )
         inner = optimizer if loss_reduction == "mean" else _RescaledOptimizer(optimizer, q * n)
         dp = _OpakeDPOptimizer(inner, noise_multiplier=noise_multiplier, sampler=sampler, key=noise_key, accountant=self._accountant)
+        if given_key is not None:
+            # The same key object for two runs (an lr sweep on one dataset) would split into the
+            # same sampling and noise keys: refused, as DPOptimizer refuses one key for two.
+            _claim_key(given_key, dp)
         dp_optimizer = DPOptimizer(optimizer, dp, session, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
         session.optimizer = dp_optimizer
         collate = data_loader.collate_fn or default_collate

@@ -4,7 +4,9 @@
 embedding, fused or per-layer book-keeping), every parameter dtype (float64, float32, bfloat16,
 float16) and every input whose gradients are finite, adding or removing one example moves the
 released clipped sum by at most C in L2 norm, with C the ``clipping_norm`` (C >= 2^-100).
-Gradients that are not finite are selected away (they contribute exactly zero and are counted).
+Gradients that are not finite are selected away (they contribute exactly zero and are counted),
+and so is a finite float32-or-lower gradient whose norm is beyond about 1.8e19: its float32 sum
+of squares or Gram entries overflow to inf (a utility loss on a diverged step, not a bound lost).
 
 **How.** Write ``G_i`` for example i's per-example gradient as exact arithmetic would form it
 from the factors the graph actually computed (the layer inputs ``a`` and output gradients ``b``
