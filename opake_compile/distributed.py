@@ -94,7 +94,7 @@ from opake_compile import pytree as _pytree
 from opake_compile import random as oprandom
 from opake_compile._validate import check_nonnegative_int, check_positive_int
 from opake_compile.compiler.passes import numerics as _num
-from opake_compile.dpsgd._types import SOURCES, ClippedPytree, check_not_released, reseal, sum_tensors
+from opake_compile.dpsgd._types import SOURCES, ClippedPytree, check_not_released, mark_ranks, reseal, sum_tensors
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError
 from opake_compile.optim import accumulate
 from opake_compile.sampling import PoissonSampler
@@ -407,9 +407,11 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
             f"examples (more than {_num.MAX_FLOAT32_SUM_ROWS}) rounds on a grid coarser than the sensitivity "
             "slack: use sum_gradients (it adds the ranks' sums in float64)."
         )
+    reduced = reduce(grads)
+    mark_ranks(reduced, get_world_size())  # (the library's own relabelling: refused otherwise)
     out = dataclasses.replace(
         clipped,
-        grads=reduce(grads),
+        grads=reduced,
         num_examples=int(counts[0]),
         num_nonfinite=int(counts[1]),
         num_ranks=get_world_size(),

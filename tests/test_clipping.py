@@ -715,6 +715,11 @@ def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():
         dataclasses.replace(two, grads={"b": two.grads["b"]}, clipping_norm=0.001)
     with pytest.raises(ConfigurationError, match="normalize_by=1000.0"):
         dataclasses.replace(got, normalize_by=1000.0)
+    # A local sum relabelled as the sum of every rank would be stepped on each rank with the
+    # shared noise, the ranks' models then differing by their local sums (review); only
+    # distributed.sum_gradients sets num_ranks.
+    with pytest.raises(ConfigurationError, match="num_ranks=4, not the 1"):
+        dataclasses.replace(got, num_ranks=4)
     assert dataclasses.replace(got, clipping_norm=2.0).clipping_norm == 2.0  # more noise: allowed
     assert dataclasses.replace(got, releases=got.releases).clipping_norm == 1.0
     from opake_compile import accounting as acc

@@ -300,19 +300,19 @@ class ClippedPytree(DPOutput):
             held = t.__dict__.get(_MADE)
             if held is None:
                 fresh.append(t)
-            elif held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw):
+            elif held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw, self.num_ranks):
                 self._check_made_with(held)  # (the same fields pass without the detailed test)
         # The sum tensors themselves, so that an entry of ``grads`` swapped later (the dict stays
         # mutable) is seen by check_unchanged.
         object.__setattr__(self, _SUMS, tuple(_tensors(self.grads)))
         if fresh:
-            made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw)
+            made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw, self.num_ranks)
             for t in fresh:
                 t.__dict__[_MADE] = made
                 t.__dict__[_SEALED] = _version(t)
 
     def _check_made_with(self, held: tuple) -> None:
-        c0, nb0, rel0, rec0, draw0 = held
+        c0, nb0, rel0, rec0, draw0, ranks0 = held
         c, nb = self.clipping_norm, self.normalize_by
         problem = None
         if _is_number(c) and _is_number(c0) and c < c0:
@@ -323,6 +323,12 @@ class ClippedPytree(DPOutput):
             problem = f"releases {self.releases!r} that drop some of {rel0!r} (releases may only be added)"
         elif draw0 is not None and self.draw != draw0:
             problem = f"draw={self.draw!r}, not the {draw0!r} the sums came from"
+        elif self.num_ranks != ranks0:
+            # Only sum_gradients sets it (mark_ranks): a local sum relabelled as the global one
+            # would be stepped on every rank with the shared noise, and the ranks' models would
+            # then differ by their local sums, without noise.
+            problem = (f"num_ranks={self.num_ranks!r}, not the {ranks0!r} the sums were made by "
+                       "(opake_compile.distributed.sum_gradients sets it)")
         if problem is not None:
             raise ConfigurationError(
                 f"This ClippedPytree is built around sums made earlier, with {problem}: the noise "
@@ -335,7 +341,7 @@ class ClippedPytree(DPOutput):
         return self.num_examples
 
 
-# The attribute each sum tensor carries: (clipping_norm, normalize_by, releases, receipts, draw)
+# The attribute each sum tensor carries: (clipping_norm, normalize_by, releases, receipts, draw, num_ranks)
 # of the first ClippedPytree built around it (see ClippedPytree.__post_init__). On the tensor,
 # so that it lives exactly as long as the sum; a clone is a new sum.
 _MADE = "_opake_made_with"
@@ -351,8 +357,18 @@ def lock_releases(clipped: ClippedPytree) -> None:
     clipping's count; a caller's own additions stay optional, so that a refused attempt can be
     retried)."""
     for t in _tensors(clipped.grads):
-        c0, nb0, _, _, draw0 = t.__dict__[_MADE]
-        t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0)
+        c0, nb0, _, _, draw0, ranks0 = t.__dict__[_MADE]
+        t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0, ranks0)
+
+
+def mark_ranks(grads: Any, num_ranks: int) -> None:
+    """Record that the sum tensors of ``grads`` hold the sum of ``num_ranks`` processes (the
+    library's own cross-rank reduction, ``sum_gradients``; a ``dataclasses.replace`` that
+    changes ``num_ranks`` is refused otherwise)."""
+    for t in _tensors(grads):
+        held = t.__dict__.get(_MADE)
+        if held is not None:
+            t.__dict__[_MADE] = held[:5] + (num_ranks,)
 
 
 def _named_tensors(grads: Any) -> list[tuple[Any, torch.Tensor]]:
