@@ -900,6 +900,9 @@ def test_one_key_object_for_two_runs_is_refused():
     engine = PrivacyEngine(backend=BACKEND)
     model = _mlp()
     loader = DataLoader(_data(), batch_size=4)
+    with pytest.raises(UnsupportedOperationError):  # a refused call leaves the key free
+        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                            noise_multiplier=1.0, max_grad_norm=1.0, key=k, clipping="per_layer")
     engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
                         noise_multiplier=1.0, max_grad_norm=1.0, key=k)
     other = _mlp()

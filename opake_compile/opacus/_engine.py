@@ -868,10 +868,6 @@ class PrivacyEngine:
         )
         inner = optimizer if loss_reduction == "mean" else _RescaledOptimizer(optimizer, q * n)
         dp = _OpakeDPOptimizer(inner, noise_multiplier=noise_multiplier, sampler=sampler, key=noise_key, accountant=self._accountant)
-        if given_key is not None:
-            # The same key object for two runs (an lr sweep on one dataset) would split into the
-            # same sampling and noise keys: refused, as DPOptimizer refuses one key for two.
-            _claim_key(given_key, dp)
         dp_optimizer = DPOptimizer(optimizer, dp, session, max_grad_norm=max_grad_norm, loss_reduction=loss_reduction)
         session.optimizer = dp_optimizer
         collate = data_loader.collate_fn or default_collate
@@ -883,6 +879,11 @@ class PrivacyEngine:
             loader_kwargs["prefetch_factor"] = data_loader.prefetch_factor
         loader = DPDataLoader(data_loader.dataset, sampler, empty_collate(collate, example=data_loader.dataset[0]), session, **loader_kwargs)
         model = PrivateModule(module, session)
+        if given_key is not None:
+            # The same key object for two runs (an lr sweep on one dataset) would split into the
+            # same sampling and noise keys: refused, as DPOptimizer refuses one key for two.
+            # Claimed last, so that a call refused earlier leaves the key free for a retry.
+            _claim_key(given_key, dp)
         self._optimizers.append(dp_optimizer)
         if grad_sample_mode == "ghost":
             return model, dp_optimizer, criterion, loader
