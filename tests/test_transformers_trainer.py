@@ -223,6 +223,13 @@ def test_resume_continues_epsilon_and_randomness(tmp_path):
     # takes rewind=True, here for the bit-for-bit comparison on the same rows.
     with pytest.raises(CheckpointError, match="older than checkpoint-4"):
         quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    # The same checkpoint under another name (a "best model" copy) is as old (review: it was
+    # resumed from, and the replayed noise cancelled between the two runs).
+    import shutil
+
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "best_model")
+    with pytest.raises(CheckpointError, match="older than checkpoint-4"):
+        quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "best_model"))
     assert all(torch.equal(a, b) for a, b in zip(tiny_gpt2().parameters(), resumed.model.parameters()))
     out = quiet(resumed.train, resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"), rewind=True)
     assert out.global_step == 4 and resumed.dp_optimizer.steps == 4
@@ -276,18 +283,42 @@ def test_trainer_refusals(tmp_path):
         small.training_step(model, {})
 
 
-def test_a_collator_that_merges_rows_is_refused(tmp_path):
-    """A packing collator turned a draw of 8 rows into one (1, 64) row: one "example" of 8, so
-    removing one real example moved the clipped sum by up to 1.10 C. Refused, naming the key."""
+def test_the_collator_sees_one_example_at_a_time(tmp_path):
+    """Each example is collated alone. A packing collator turned a draw of 8 rows into one
+    (1, 64) row (removing one real example moved the clipped sum by up to 1.10 C), and a
+    collator padding on the left to the draw's longest row shifted every other row's positions
+    with that row's presence (2.1 C at 6 rows, 6 C at 24: review). A collator that makes several
+    rows of one example is refused, naming the key."""
 
     def flatten(rows):
         ids = [t for r in rows for t in r["input_ids"]]
         return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids])}
 
+    def left_pad(rows):
+        longest = max(len(r["input_ids"]) for r in rows)
+        pad = lambda xs, v: [v] * (longest - len(xs)) + xs  # noqa: E731
+        return {"input_ids": torch.tensor([pad(r["input_ids"], 0) for r in rows]),
+                "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+                "labels": torch.tensor([pad(r["labels"], -100) for r in rows])}
+
+    rows = [{"input_ids": r["input_ids"][: 2 + i % 6], "labels": r["labels"][: 2 + i % 6]} for i, r in enumerate(lm_rows(40))]
     args = dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=4, max_steps=1, dp_backend=None)
-    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), data_collator=flatten)
-    with pytest.raises(ConfigurationError, match=r"returned 'input_ids' with shape \(1, \d+\) for a draw of \d+ examples"):
-        trainer._collate_train([0, 1, 2])
+    packing = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), data_collator=flatten)
+    assert packing._collate_train([0, 1, 2])["input_ids"].shape == (3, T)
+    lefty = DPTrainer(tiny_gpt2(), args, train_dataset=rows, data_collator=left_pad)
+    alone = lefty._collate_train([0])
+    for draw in ([0, 5], [0, 4, 5], [3, 0]):
+        got = lefty._collate_train(draw)
+        row = draw.index(0)
+        assert all(torch.equal(got[k][row], alone[k][0]) for k in alone), draw
+
+    def split(rows):  # one example as two rows
+        ids = torch.tensor([r["input_ids"] for r in rows])
+        return {"input_ids": torch.cat([ids, ids]), "labels": torch.cat([ids, ids])}
+
+    splitting = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), data_collator=split)
+    with pytest.raises(ConfigurationError, match=r"returned 'input_ids' with shape \(2, \d+\) for one example"):
+        splitting._collate_train([0, 1, 2])
 
 
 def test_the_seed_is_not_pickled_or_logged_and_training_mode_survives_evaluation(tmp_path):
@@ -299,6 +330,8 @@ def test_the_seed_is_not_pickled_or_logged_and_training_mode_survives_evaluation
     args = dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=4, max_steps=4, dp_backend=None, dp_seed=7)
     assert pickle.loads(pickle.dumps(args)).dp_seed is None and args.to_dict()["dp_seed"] is None
     assert args.dp_seed == 7
+    # print(args) and repr (transformers builds them from every field; example scripts log them).
+    assert "dp_seed=<DP_SEED>" in str(args) and "dp_seed=<DP_SEED>" in repr(args) and "dp_seed=7" not in str(args)
     trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), eval_dataset=lm_rows(4, seed=9))
     modes = []
 

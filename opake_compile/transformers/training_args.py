@@ -108,6 +108,18 @@ class TrainingArguments(transformers.TrainingArguments):
         d["dp_seed"] = None
         return d
 
+    def __str__(self) -> str:
+        """As transformers' (``print(args)``, and example scripts log the arguments this way),
+        with ``dp_seed`` shown as ``<DP_SEED>``: transformers' own builds it from every field."""
+        fields = dataclasses.asdict(self)
+        fields = {k: f"<{k.upper()}>" if k.endswith("_token") else v for k, v in fields.items()}
+        if fields.get("dp_seed") is not None:
+            fields["dp_seed"] = "<DP_SEED>"
+        body = "".join(f"{k}={v},\n" for k, v in sorted(fields.items()))
+        return f"{type(self).__name__}(\n{body})"
+
+    __repr__ = __str__
+
     def __getstate__(self) -> dict[str, Any]:
         """Pickles (``training_args.bin``, which transformers writes beside the weights and
         ``push_to_hub`` uploads) carry no ``dp_seed``; nor do copies made by pickling protocols

@@ -247,17 +247,33 @@ class DPTrainer(transformers.Trainer):
         if len(indices) == 0:
             full = self._collate_rows([ds[0]])
             return {k: v[:0] for k, v in full.items()}
-        batch = self._collate_rows([ds[i] for i in indices])
-        for k, v in batch.items():
-            if v.dim() == 0 or v.shape[0] != len(indices):
-                # A collator that packs or merges rows (DataCollatorWithFlattening) makes one
-                # "example" of several: removing one of them then moves the clipped sum by more
-                # than C (up to 2 C), while one example per row is what is accounted.
+        # Each example is collated alone, so that its row depends on nothing else in the draw:
+        # a collator that left-pads to the draw's longest row shifted every other row's
+        # positions with the presence of that row (GPT-2 numbers positions from the left
+        # edge), and removing it moved the clipped sum by 2.1 C at 6 rows, 6 C at 24 (review).
+        rows = [self._collate_rows([ds[i]]) for i in indices]
+        for k, v in rows[0].items():
+            if v.dim() == 0 or v.shape[0] != 1:
+                # Each row is clipped as one example: a collator making several rows of one
+                # example (or a scalar) would let it move the clipped sum by more than C. (One
+                # that packs a draw into one row, DataCollatorWithFlattening, is harmless here:
+                # it sees one example at a time.)
                 raise ConfigurationError(
-                    f"The data collator returned '{k}' with shape {tuple(v.shape)} for a draw of {len(indices)} "
-                    f"examples: DPTrainer needs one row per example (no packing or flattening collators), "
-                    f"since each row is clipped as one example."
+                    f"The data collator returned '{k}' with shape {tuple(v.shape)} for one example: "
+                    f"DPTrainer needs exactly one row per example, since each row is clipped as one "
+                    f"example."
                 )
+        batch = {}
+        for k in rows[0]:
+            parts = [r.get(k) for r in rows]
+            if any(p is None or p.shape[1:] != parts[0].shape[1:] for p in parts):
+                raise ConfigurationError(
+                    f"The data collator gave '{k}' different shapes for different examples "
+                    f"({sorted({tuple(p.shape) for p in parts if p is not None})}) and DPTrainer pads "
+                    f"only the sequence dimension of {sorted(_pad_keys(rows[0]))} to max_length: pad it "
+                    "to a fixed length in the collator (each example is collated alone)."
+                )
+            batch[k] = torch.cat(parts)
         return batch
 
     def _collate_rows(self, rows: list[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -425,9 +441,11 @@ class DPTrainer(transformers.Trainer):
         path = Path(resume_from_checkpoint)
         # As Checkpointer.load: a checkpoint older than one saved after it replays the noise
         # of the steps in between; on other rows, the two runs' updates differ by the
-        # clipped sums' difference without noise.
-        match = _CHECKPOINT_DIR.match(path.name)
-        if match is not None and not rewind:
+        # clipped sums' difference without noise. Compared by the steps each checkpoint's DP
+        # state holds, not by folder names: a checkpoint copied to another name ("best_model")
+        # was resumed from and replayed the noise (review).
+        here = Checkpointer(path / _DP_STATE_DIR).latest_step()
+        if here is not None and not rewind:
             # Later checkpoints of the same run (its root key) that were saved completely: an
             # interrupted save, or another run's checkpoint in the folder, replays nothing.
             run = _root_key_of(path)
@@ -436,8 +454,8 @@ class DPTrainer(transformers.Trainer):
                 for folder in {path.parent, Path(self.args.output_dir)}
                 if folder.is_dir()
                 for p in folder.iterdir()
-                if (m := _CHECKPOINT_DIR.match(p.name)) and int(m.group(1)) > int(match.group(1))
-                and Checkpointer(p / _DP_STATE_DIR).steps() and run is not None
+                if p.is_dir() and p.resolve() != path.resolve()
+                and (Checkpointer(p / _DP_STATE_DIR).latest_step() or -1) > here and run is not None
                 and (other := _root_key_of(p)) is not None and _same_key(other, run)
             )
             if newer:
@@ -465,9 +483,10 @@ class DPTrainer(transformers.Trainer):
         Args:
             resume_from_checkpoint: ``True`` (the newest ``checkpoint-*`` in ``output_dir``) or a
                 checkpoint directory; everything random and every step charged is restored.
-            rewind: allow resuming from a checkpoint older than another ``checkpoint-*`` (beside
-                it or in ``output_dir``): it replays the later steps' noise, so only if nothing
-                computed after it was ever seen.
+            rewind: allow resuming from a checkpoint older than another complete checkpoint of
+                the same run (beside it or in ``output_dir``, compared by the steps their DP
+                states hold, whatever the folders' names): it replays the later steps' noise, so
+                only if nothing computed after it was ever seen.
 
         Returns:
             :class:`~opake_compile.transformers.trainer.types.TrainOutput` (epsilon spent and the
