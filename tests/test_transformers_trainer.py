@@ -253,6 +253,12 @@ def test_resume_continues_epsilon_and_randomness(tmp_path):
         (dict(sample_rate=0.1, noise_multiplier=1.0, noise_mechanism="laplace"), "gaussian"),
         (dict(sample_rate=0.1, noise_multiplier=1.0, accountant="moments"), "accountant"),
         (dict(sample_rate=0.1, noise_multiplier=-1.0), "noise_multiplier"),
+        # Options the loop did not apply were accepted silently (review); refused now.
+        (dict(sample_rate=0.1, noise_multiplier=1.0, auto_find_batch_size=True), "auto_find_batch_size is not applied"),
+        (dict(sample_rate=0.1, noise_multiplier=1.0, neftune_noise_alpha=5.0), "neftune_noise_alpha is not applied"),
+        (dict(sample_rate=0.1, noise_multiplier=1.0, load_best_model_at_end=True, eval_strategy="steps",
+              save_strategy="steps"), "load_best_model_at_end is not applied"),
+        (dict(sample_rate=0.1, noise_multiplier=1.0, bf16=True), "bf16 is not applied"),
     ],
 )
 def test_arguments_refused_up_front(tmp_path, kw, match):
@@ -281,6 +287,15 @@ def test_trainer_refusals(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     with pytest.raises(ConfigurationError, match="not the DP step"):
         small.training_step(model, {})
+    # A user's optimizer was replaced silently (review); and fields changed after construction
+    # are checked again before training.
+    with pytest.raises(ConfigurationError, match="would be replaced"):
+        DPTrainer(model, dp_args(tmp_path, noise_multiplier=1.0, sample_rate=0.1), train_dataset=rows,
+                  optimizers=(torch.optim.SGD(model.parameters(), lr=0.0), None))
+    late = DPTrainer(tiny_gpt2(), dp_args(tmp_path, noise_multiplier=1.0, sample_rate=0.1), train_dataset=rows)
+    late.args.gradient_accumulation_steps = 4
+    with pytest.raises(ConfigurationError, match="gradient_accumulation_steps=4"):
+        quiet(late.train)
 
 
 def test_the_collator_sees_one_example_at_a_time(tmp_path):

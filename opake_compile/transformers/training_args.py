@@ -181,6 +181,23 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ConfigurationError(f"max_length must be a positive int, got {self.max_length!r}.")
         if self.dp_seed is not None and (not isinstance(self.dp_seed, int) or isinstance(self.dp_seed, bool)):
             raise InputTypeError(f"dp_seed must be an int or None, got {type(self.dp_seed).__name__}.")
+        # Trainer options DPTrainer's loop does not apply: refused rather than silently ignored.
+        unapplied = {
+            "auto_find_batch_size": (self.auto_find_batch_size,
+                                     "lower per_device_train_batch_size (the compiled chunk) for memory"),
+            "neftune_noise_alpha": (self.neftune_noise_alpha is not None,
+                                    "NEFTune's embedding noise is not part of the DP step"),
+            "load_best_model_at_end": (self.load_best_model_at_end,
+                                       "the last model is kept; choosing one by an evaluation metric of "
+                                       "private data would release that choice uncharged"),
+            "save_strategy='best'": (str(getattr(self.save_strategy, "value", self.save_strategy)) == "best",
+                                     "use save_strategy='steps' or 'epoch'"),
+            "bf16": (self.bf16, "cast the model to torch.bfloat16 yourself: the step runs it in its own dtype"),
+            "fp16": (self.fp16, "cast the model to torch.float16 yourself: the step runs it in its own dtype"),
+        }
+        for name, (set_, instead) in unapplied.items():
+            if set_:
+                raise ConfigurationError(f"{name} is not applied by DPTrainer and is refused: {instead}.")
 
     def privacy_config(self) -> dict[str, Any]:
         """The privacy fields as a plain dict (what ``TrainOutput.privacy`` reports)."""

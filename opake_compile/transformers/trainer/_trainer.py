@@ -181,10 +181,18 @@ class DPTrainer(transformers.Trainer):
                 "DPTrainer needs opake_compile.transformers.TrainingArguments (with the privacy fields), "
                 f"got {type(args).__name__}."
             )
-        names = ("data_collator", "train_dataset", "eval_dataset", "processing_class")
+        names = ("data_collator", "train_dataset", "eval_dataset", "processing_class", "model_init",
+                 "compute_loss_func", "compute_metrics", "callbacks", "optimizers")
         for name, value in zip(names, pargs):
             kwargs[name] = value
         pargs = ()
+        args.validate_privacy()  # again: the fields may have changed since construction
+        if any(x is not None for x in (kwargs.get("optimizers") or (None, None))):
+            raise ConfigurationError(
+                "optimizers=(optimizer, scheduler) would be replaced: DPTrainer builds them from the "
+                "arguments (optim, learning_rate, weight_decay, lr_scheduler_type, ...), or from "
+                "optimizer_cls_and_kwargs, or from your override of create_optimizer / create_scheduler."
+            )
         train_dataset = kwargs.get("train_dataset")
         if train_dataset is None:
             raise InputTypeError("DPTrainer needs a train_dataset (its size N enters the privacy accounting).")
@@ -500,6 +508,7 @@ class DPTrainer(transformers.Trainer):
         if trial is not None:
             raise ConfigurationError("Hyper-parameter search trials are not supported by DPTrainer (each trial spends privacy).")
         args = self.args
+        args.validate_privacy()  # fields set after construction (gradient_accumulation_steps, ...)
         self.model.train()
         resume = self._resume_path(resume_from_checkpoint, rewind)
         root_key = None
