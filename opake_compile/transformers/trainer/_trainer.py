@@ -264,8 +264,8 @@ class DPTrainer(transformers.Trainer):
             if v.dim() == 0 or v.shape[0] != 1:
                 # Each row is clipped as one example: a collator making several rows of one
                 # example (or a scalar) would let it move the clipped sum by more than C. (One
-                # that packs a draw into one row, DataCollatorWithFlattening, is harmless here:
-                # it sees one example at a time.)
+                # that packs a draw into one row sees one example at a time here;
+                # DataCollatorWithFlattening is then refused below for its unpadded position_ids.)
                 raise ConfigurationError(
                     f"The data collator returned '{k}' with shape {tuple(v.shape)} for one example: "
                     f"DPTrainer needs exactly one row per example, since each row is clipped as one "
