@@ -1384,3 +1384,64 @@ def test_a_full_backward_hook_on_a_module_is_refused_naming_it(kind):
             compile_dp(loss, model=model, clipping_norm=1.0, backend=None)(x, y)
     finally:
         handle.remove()
+
+
+def _token_batches(lengths_per_batch, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for lengths in lengths_per_batch:
+        ids = torch.randint(0, 20, (len(lengths), 8), generator=g)
+        labels = ids.clone()
+        for r, k in enumerate(lengths):
+            labels[r, k:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def test_an_unbatched_number_that_follows_a_count_of_the_batch_is_refused():
+    # A token-level loss divided by the batch's token count, passed beside the batch: removing
+    # one example rescaled every other, 1.52 C (review). Refused once it has followed the count
+    # through a change (the first call cannot tell it from a public constant).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+
+    def loss(m, ids, labels, n_tokens):
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n_tokens
+
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7]])
+    for wrap in (float, torch.tensor):
+        step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
+        ids, labels = batches[0]
+        step(ids, labels, wrap(float((labels >= 0).sum())))
+        ids, labels = batches[1]
+        calls = step.num_calls
+        with pytest.raises(ConfigurationError, match=r"Argument 2 \(leaf 0\) = .* follows the non-negative entries of argument 1"):
+            step(ids, labels, wrap(float((labels >= 0).sum())))
+        assert step.num_calls == calls
+        with pytest.raises(ConfigurationError, match="follows"):  # and again: nothing was cleared
+            step(ids, labels, wrap(float((labels >= 0).sum())))
+        # The batch size, and its inverse, are counts of the batch too.
+        step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
+        step(*batches[0], wrap(1 / 4))
+        with pytest.raises(ConfigurationError, match="follows the batch size"):
+            step(*batches[1], wrap(1 / 5))
+
+
+def test_public_constants_and_schedules_beside_the_batch_still_train():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+
+    def loss(m, ids, labels, scale):
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100) * scale
+
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8]])
+    step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
+    # 18, 27, 13, 24 tokens; a constant equal to the first count stays a constant.
+    for ids, labels in batches:
+        step(ids, labels, torch.tensor(18.0))
+    # A schedule that changes every call without following a count.
+    for t, (ids, labels) in enumerate(batches):
+        step(ids, labels, torch.tensor(1.0 + 0.5 * t))
+    assert step.num_calls == 8

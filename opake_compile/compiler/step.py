@@ -346,6 +346,7 @@ class DPStep:
         self._view: _ModelView | None = None  # the last reading of the model (_read_model)
         self._programs = _Programs(_LossReader(loss_fn))  # the programs graphs were traced under (_program)
         self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
+        self._scalars = _ScalarWatch()  # unbatched numbers that follow a count of the batch
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
         self._num_calls = 0
@@ -402,6 +403,8 @@ class DPStep:
         return 0 if self._counter is None else self._counter.count
 
     def __call__(self, *args: Any, **kwargs: Any) -> DPStepResult:
+        if self._batch_argnums is not None and len(args) > len(self._batch_argnums):
+            self._scalars.check(args, self._batch_argnums)  # before anything runs or changes
         repeat = self._repeat
         if repeat is not None and not kwargs:
             result = self._call_again(repeat, args)
@@ -902,6 +905,89 @@ class DPStep:
         )
         coverage = self.coverage or {k: "empty batch" for k in trainable}
         return DPStepResult(loss=torch.tensor(float("nan"), device=device), clipped=clipped, coverage=coverage)
+
+
+class _ScalarWatch:
+    """Refuses an unbatched number (a Python int or float, or a one-element tensor, in an
+    argument outside ``batch_argnums``) that tracks a count of the batch: equal to the batch
+    size or to a count of a batched tensor (its True, non-zero or non-negative entries, or its
+    sum), or to its inverse, at two calls where both had changed. A loss divided by the batch's
+    token count passed this way let one example rescale every other: removing it moved the
+    clipped sum by 1.52 C (review). One call cannot tell such a number from a public constant
+    that happens to equal a count (a label smoothing of 0.1 beside 10 tokens), so the first
+    call is not refused; a constant, or a schedule that does not follow the batch, never is.
+    Only computed when such numbers are passed (a host read per statistic)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, int], tuple[float, dict[str, float]]] = {}
+
+    def check(self, args: tuple, batched: tuple[int, ...]) -> None:
+        scalars = _scalar_leaves(args, batched)
+        if not scalars:
+            return
+        stats = _batch_counts(args, batched)
+        seen = {}
+        for path, v in scalars:
+            matched = {k: c for k, c in stats.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
+            prev = self._last.get(path)
+            if prev is not None and prev[0] != v:
+                tracked = [k for k, c in matched.items() if k in prev[1] and prev[1][k] != c]
+                if tracked:
+                    raise ConfigurationError(
+                        f"Argument {path[0]} (leaf {path[1]}) = {v!r} follows {tracked[0]} ({matched[tracked[0]]:g}, "
+                        f"{prev[1][tracked[0]]:g} at an earlier call, when it was {prev[0]!r}): a number computed "
+                        "from the batch and passed beside it (a token count, the batch size) lets one example "
+                        "rescale every other's contribution, so that removing it moves the clipped sum by more "
+                        "than C. Compute it per example inside the loss (e.g. each sequence's own token count "
+                        "from its mask), or pass a public constant (the expected count). Nothing was computed "
+                        "or changed."
+                    )
+            seen[path] = (v, matched)
+        self._last.update(seen)
+
+
+def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, int], float]]:
+    """``((argument, leaf), value)`` of every finite number outside the batched arguments."""
+    out = []
+    for i, a in enumerate(args):
+        if i in batched:
+            continue
+        leaves = [a] if isinstance(a, (int, float, torch.Tensor)) else optree.tree_leaves(a, none_is_leaf=True)
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, bool):
+                continue
+            if isinstance(leaf, (int, float)):
+                v = float(leaf)
+            elif (isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and not leaf.is_complex()
+                  and leaf.dtype != torch.bool and not leaf.is_meta):
+                v = float(leaf.detach().reshape(()).item())
+            else:
+                continue
+            if math.isfinite(v) and v != 0:
+                out.append(((i, j), v))
+    return out
+
+
+def _batch_counts(args: tuple, batched: tuple[int, ...]) -> dict[str, float]:
+    """The counts of a batch a normaliser could be: its size, and per batched tensor with an
+    entry per position (two dims or more; a bool tensor any) its True / non-zero entries, its
+    non-negative entries (integer labels other than an ignore index) and its sum (a 0/1 mask)."""
+    stats: dict[str, float] = {"the batch size": float(check_batch_size(args, batched))}
+    for i in batched:
+        for j, leaf in enumerate(optree.tree_leaves(args[i], none_is_leaf=True)):
+            if not isinstance(leaf, torch.Tensor) or leaf.is_complex() or leaf.is_meta or leaf.is_sparse:
+                continue
+            x = leaf.detach()
+            name = f"argument {i} (leaf {j})"
+            if x.dtype == torch.bool:
+                stats[f"the True entries of {name}"] = float(x.count_nonzero())
+            elif x.dim() >= 2:
+                stats[f"the non-zero entries of {name}"] = float(x.count_nonzero())
+                if x.dtype.is_floating_point:
+                    stats[f"the sum of {name}"] = float(x.sum(dtype=torch.float64))
+                else:
+                    stats[f"the non-negative entries of {name}"] = float((x >= 0).count_nonzero())
+    return stats
 
 
 def _user_settings(sig: Any) -> tuple:
@@ -1530,7 +1616,9 @@ def compile_dp(
     Raises:
         ConfigurationError: C <= 0 or NaN; a backend name ``torch.compile`` does not know;
             batched arguments disagree on the batch size; at a call, subnormal float32 results
-            flushed to zero (``torch.set_flush_denormal``).
+            flushed to zero (``torch.set_flush_denormal``); at a call, a number outside
+            ``batch_argnums`` that has followed a count of the batch (its size, or a batched
+            tensor's non-zero entries or sum) through two calls (``_ScalarWatch``).
         InputTypeError: wrong argument types; no trainable parameter (at a call: which
             parameters train is read then, ``requires_grad`` may change between calls).
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
