@@ -40,6 +40,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import operator
 import types
 import warnings
@@ -908,18 +909,23 @@ class DPStep:
 
 
 class _ScalarWatch:
-    """Refuses an unbatched number (a Python int or float, or a one-element tensor, in an
+    """Refuses an unbatched number (a Python or NumPy number, or a one-element tensor, in an
     argument outside ``batch_argnums``) that tracks a count of the batch: equal to the batch
     size or to a count of a batched tensor (its True, non-zero or non-negative entries, or its
-    sum), or to its inverse, at two calls where both had changed. A loss divided by the batch's
-    token count passed this way let one example rescale every other: removing it moved the
-    clipped sum by 1.52 C (review). One call cannot tell such a number from a public constant
-    that happens to equal a count (a label smoothing of 0.1 beside 10 tokens), so the first
-    call is not refused; a constant, or a schedule that does not follow the batch, never is.
-    Only computed when such numbers are passed (a host read per statistic)."""
+    sum), or to its inverse, at every call so far, while that count took three different
+    values. A loss divided by the batch's token count passed this way let one example rescale
+    every other: removing it moved the clipped sum by 1.52 C (review). One or two calls cannot
+    tell such a number from a public one that happens to equal a count: a first version that
+    refused after two matching calls refused 11 % of runs passing a step counter beside
+    Poisson batches of about 8, and 73 % passing a random integer magnitude in 0..10 (second
+    review). A constant never changes while a count does, so it is never refused; a schedule
+    or a random number must equal the same count at every call from the first. Only computed
+    when such numbers are passed (a host read per statistic)."""
 
     def __init__(self) -> None:
-        self._last: dict[tuple[int, int], tuple[float, dict[str, float]]] = {}
+        # Per number: the counts it has equalled at every call so far, each with the set of
+        # values that count took.
+        self._last: dict[tuple[int, int], dict[str, set[float]]] = {}
 
     def check(self, args: tuple, batched: tuple[int, ...]) -> None:
         scalars = _scalar_leaves(args, batched)
@@ -928,41 +934,44 @@ class _ScalarWatch:
         stats = _batch_counts(args, batched)
         seen = {}
         for path, v in scalars:
-            matched = {k: c for k, c in stats.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
+            matched = {k for k, c in stats.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
             prev = self._last.get(path)
-            if prev is not None and prev[0] != v:
-                tracked = [k for k, c in matched.items() if k in prev[1] and prev[1][k] != c]
-                if tracked:
-                    raise ConfigurationError(
-                        f"Argument {path[0]} (leaf {path[1]}) = {v!r} follows {tracked[0]} ({matched[tracked[0]]:g}, "
-                        f"{prev[1][tracked[0]]:g} at an earlier call, when it was {prev[0]!r}): a number computed "
-                        "from the batch and passed beside it (a token count, the batch size) lets one example "
-                        "rescale every other's contribution, so that removing it moves the clipped sum by more "
-                        "than C. Compute it per example inside the loss (e.g. each sequence's own token count "
-                        "from its mask), or pass a public constant (the expected count). Nothing was computed "
-                        "or changed."
-                    )
-            seen[path] = (v, matched)
+            kept = {k: {stats[k]} for k in matched} if prev is None else {k: prev[k] | {stats[k]} for k in matched if k in prev}
+            tracked = [k for k, values in kept.items() if len(values) >= 3]
+            if tracked:
+                k = tracked[0]
+                raise ConfigurationError(
+                    f"Argument {path[0]} (leaf {path[1]}) = {v!r} has equalled {k} (or its inverse) at every "
+                    f"call, while that count took the values {sorted(kept[k])}: a number computed from the batch "
+                    "and passed beside it (a token count, the batch size) lets one example rescale every "
+                    "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
+                    "it per example inside the loss (e.g. each sequence's own token count from its mask), or "
+                    "pass a public constant (the expected count). Nothing was computed or changed."
+                )
+            seen[path] = kept
         self._last.update(seen)
 
 
 def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, int], float]]:
-    """``((argument, leaf), value)`` of every finite number outside the batched arguments."""
+    """``((argument, leaf), value)`` of every finite non-zero number outside the batched arguments."""
     out = []
     for i, a in enumerate(args):
         if i in batched:
             continue
-        leaves = [a] if isinstance(a, (int, float, torch.Tensor)) else optree.tree_leaves(a, none_is_leaf=True)
+        leaves = [a] if isinstance(a, (numbers.Real, torch.Tensor)) else optree.tree_leaves(a, none_is_leaf=True)
         for j, leaf in enumerate(leaves):
-            if isinstance(leaf, bool):
-                continue
-            if isinstance(leaf, (int, float)):
-                v = float(leaf)
-            elif (isinstance(leaf, torch.Tensor) and leaf.numel() == 1 and not leaf.is_complex()
-                  and leaf.dtype != torch.bool and not leaf.is_meta):
-                v = float(leaf.detach().reshape(()).item())
-            else:
-                continue
+            try:
+                if isinstance(leaf, bool):
+                    continue
+                if isinstance(leaf, numbers.Real):
+                    v = float(leaf)
+                elif (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_nested
+                      and leaf.numel() == 1 and not leaf.is_complex() and leaf.dtype != torch.bool and not leaf.is_meta):
+                    v = float(leaf.detach().reshape(()).item())
+                else:
+                    continue
+            except (OverflowError, RuntimeError, TypeError, ValueError):
+                continue  # (not a number this check can compare; the call decides what it is)
             if math.isfinite(v) and v != 0:
                 out.append(((i, j), v))
     return out
@@ -975,18 +984,22 @@ def _batch_counts(args: tuple, batched: tuple[int, ...]) -> dict[str, float]:
     stats: dict[str, float] = {"the batch size": float(check_batch_size(args, batched))}
     for i in batched:
         for j, leaf in enumerate(optree.tree_leaves(args[i], none_is_leaf=True)):
-            if not isinstance(leaf, torch.Tensor) or leaf.is_complex() or leaf.is_meta or leaf.is_sparse:
+            if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested
+                    or leaf.is_complex() or leaf.is_meta):
                 continue
             x = leaf.detach()
             name = f"argument {i} (leaf {j})"
-            if x.dtype == torch.bool:
-                stats[f"the True entries of {name}"] = float(x.count_nonzero())
-            elif x.dim() >= 2:
-                stats[f"the non-zero entries of {name}"] = float(x.count_nonzero())
-                if x.dtype.is_floating_point:
-                    stats[f"the sum of {name}"] = float(x.sum(dtype=torch.float64))
-                else:
-                    stats[f"the non-negative entries of {name}"] = float((x >= 0).count_nonzero())
+            try:
+                if x.dtype == torch.bool:
+                    stats[f"the True entries of {name}"] = float(x.count_nonzero())
+                elif x.dim() >= 2:
+                    stats[f"the non-zero entries of {name}"] = float(x.count_nonzero())
+                    if x.dtype.is_floating_point:
+                        stats[f"the sum of {name}"] = float(x.sum(dtype=torch.float64))
+                    else:
+                        stats[f"the non-negative entries of {name}"] = float((x >= 0).count_nonzero())
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # (a tensor kind without these reductions: the call decides what it is)
     return stats
 
 
@@ -1617,8 +1630,9 @@ def compile_dp(
         ConfigurationError: C <= 0 or NaN; a backend name ``torch.compile`` does not know;
             batched arguments disagree on the batch size; at a call, subnormal float32 results
             flushed to zero (``torch.set_flush_denormal``); at a call, a number outside
-            ``batch_argnums`` that has followed a count of the batch (its size, or a batched
-            tensor's non-zero entries or sum) through two calls (``_ScalarWatch``).
+            ``batch_argnums`` that has equalled a count of the batch (its size, or a batched
+            tensor's non-zero entries or sum) at every call while that count took three values
+            (``_ScalarWatch``).
         InputTypeError: wrong argument types; no trainable parameter (at a call: which
             parameters train is read then, ``requires_grad`` may change between calls).
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
