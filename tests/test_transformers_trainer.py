@@ -385,3 +385,28 @@ def test_an_older_checkpoint_resumes_when_the_newer_one_is_incomplete_or_another
     shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "c" / "checkpoint-2")
     other = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "c", **kw), train_dataset=rows)
     assert quiet(other.train, resume_from_checkpoint=str(tmp_path / "c" / "checkpoint-2")).global_step == 4
+
+
+def test_early_stopping_reads_the_best_metric(tmp_path):
+    """EarlyStoppingCallback compares each evaluation with state.best_metric, which DPTrainer
+    never set: every evaluation counted as an improvement and training ran to the end (review).
+    The stop must now follow the logged evaluation losses as the callback's rule does."""
+    args = dp_args(tmp_path, noise_multiplier=1.0, expected_batch_size=4, max_steps=12, dp_backend=None,
+                   eval_strategy="steps", eval_steps=1, metric_for_best_model="loss", greater_is_better=True,
+                   learning_rate=0.5)
+    trainer = DPTrainer(tiny_gpt2(), args, train_dataset=lm_rows(40), eval_dataset=lm_rows(4, seed=9),
+                        callbacks=[transformers.EarlyStoppingCallback(early_stopping_patience=2)])
+    quiet(trainer.train)
+    losses = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+    best, waited, stop = None, 0, len(losses)
+    for i, v in enumerate(losses):  # the callback's rule: improvement = greater (greater_is_better)
+        if best is None or v > best:
+            best, waited = v, 0
+        else:
+            waited += 1
+            if waited >= 2:
+                stop = i + 1
+                break
+    assert trainer.state.best_metric == max(losses[:stop])
+    assert trainer.state.global_step == stop and len(losses) == stop
+    assert stop < 12  # (the eval loss falls as it trains: "greater is better" stops it early)

@@ -581,7 +581,11 @@ class DPTrainer(transformers.Trainer):
                     self.log(logs)
                     self.control.should_log = False
                 if self.control.should_evaluate:
-                    self.evaluate(ignore_keys=ignore_keys_for_eval)
+                    metrics = self.evaluate(ignore_keys=ignore_keys_for_eval)
+                    # As Trainer's loop: the best value of metric_for_best_model, which
+                    # EarlyStoppingCallback compares each evaluation with (never set before, so
+                    # every evaluation counted as an improvement and training never stopped).
+                    self._determine_best_metric(dict(metrics), None)
                     self.control.should_evaluate = False
                 if self.control.should_save:
                     self._save_dp_checkpoint()
