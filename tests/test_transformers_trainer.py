@@ -409,4 +409,4 @@ def test_early_stopping_reads_the_best_metric(tmp_path):
                 break
     assert trainer.state.best_metric == max(losses[:stop])
     assert trainer.state.global_step == stop and len(losses) == stop
-    assert stop < 12  # (the eval loss falls as it trains: "greater is better" stops it early)
+    assert stop < 12  # (this run stops at step 9 of 12: two evaluations without a new highest loss)
