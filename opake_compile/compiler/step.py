@@ -40,7 +40,6 @@ import functools
 import inspect
 import itertools
 import math
-import numbers
 import operator
 import types
 import warnings
@@ -56,6 +55,7 @@ from torch.nn.modules import module as _torch_module
 
 from opake_compile import random as _random
 from opake_compile._markers import reject_dp_output
+from opake_compile._statistics import batch_statistics, is_real_number
 from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
@@ -911,8 +911,9 @@ class DPStep:
 class _ScalarWatch:
     """Refuses an unbatched number (a Python or NumPy number, or a one-element tensor, in an
     argument outside ``batch_argnums``) that tracks a count of the batch: equal to the batch
-    size or to a count of a batched tensor (its True, non-zero or non-negative entries, or its
-    sum), or to its inverse, at every call so far, while that count took three different
+    size or to a statistic of a batched tensor (:func:`~opake_compile._statistics.batch_statistics`,
+    as the Opacus layer reads them: its number of entries, its non-zero or non-negative entries,
+    its sum), or to its inverse, at every call so far, while that count took three different
     values. A loss divided by the batch's token count passed this way let one example rescale
     every other: removing it moved the clipped sum by 1.52 C (review). One or two calls cannot
     tell such a number from a public one that happens to equal a count: a first version that
@@ -925,23 +926,37 @@ class _ScalarWatch:
     def __init__(self) -> None:
         # Per number: the counts it has equalled at every call so far, each with the set of
         # values that count took.
-        self._last: dict[tuple[int, int], dict[str, set[float]]] = {}
+        self._last: dict[tuple[int, int], dict[tuple, set[float]]] = {}
 
     def check(self, args: tuple, batched: tuple[int, ...]) -> None:
         scalars = _scalar_leaves(args, batched)
         if not scalars:
             return
-        stats = _batch_counts(args, batched)
+        # (identity, value, description): the identity is the same at every call. Compared within
+        # 1e-6, not within the slack batch_statistics allows a sum rounded in its tensor's dtype
+        # (37 % for a float32 image batch): a constant equal to a count within that slack at
+        # every call while the count moved would be refused.
+        stats = [(("size",), float(check_batch_size(args, batched)), "the batch size")]
+        tensors = [((i, j), leaf) for i in batched for j, leaf in enumerate(optree.tree_leaves(args[i], none_is_leaf=True))
+                   if isinstance(leaf, torch.Tensor) and leaf.layout in (torch.strided, torch.sparse_coo)
+                   and not leaf.is_nested and not leaf.is_meta]
+        try:
+            stats += [(ident, c, f"the {_KINDS[ident[1]]} of argument {ident[0][0]} (leaf {ident[0][1]})")
+                      for ident, c, _, _ in batch_statistics(tensors)]
+        except (RuntimeError, NotImplementedError, TypeError):
+            pass  # (a tensor kind without these reductions: the batch size is still compared)
+        counts = {ident: (c, what) for ident, c, what in stats}
         seen = {}
         for path, v in scalars:
-            matched = {k for k, c in stats.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
+            matched = {ident for ident, (c, _) in counts.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
             prev = self._last.get(path)
-            kept = {k: {stats[k]} for k in matched} if prev is None else {k: prev[k] | {stats[k]} for k in matched if k in prev}
+            kept = ({k: {counts[k][0]} for k in matched} if prev is None
+                    else {k: prev[k] | {counts[k][0]} for k in matched if k in prev})
             tracked = [k for k, values in kept.items() if len(values) >= 3]
             if tracked:
                 k = tracked[0]
                 raise ConfigurationError(
-                    f"Argument {path[0]} (leaf {path[1]}) = {v!r} has equalled {k} (or its inverse) at every "
+                    f"Argument {path[0]} (leaf {path[1]}) = {v!r} has equalled {counts[k][1]} (or its inverse) at every "
                     f"call, while that count took the values {sorted(kept[k])}: a number computed from the batch "
                     "and passed beside it (a token count, the batch size) lets one example rescale every "
                     "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
@@ -952,18 +967,19 @@ class _ScalarWatch:
         self._last.update(seen)
 
 
+#: How :meth:`_ScalarWatch.check` names each kind of statistic of ``batch_statistics``.
+_KINDS = {"numel": "number of entries", "sum": "sum", "nonzero": "non-zero entries", "nonneg": "non-negative entries"}
+
+
 def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, int], float]]:
     """``((argument, leaf), value)`` of every finite non-zero number outside the batched arguments."""
     out = []
     for i, a in enumerate(args):
         if i in batched:
             continue
-        leaves = [a] if isinstance(a, (numbers.Real, torch.Tensor)) else optree.tree_leaves(a, none_is_leaf=True)
-        for j, leaf in enumerate(leaves):
+        for j, leaf in enumerate(optree.tree_leaves(a, none_is_leaf=True)):
             try:
-                if isinstance(leaf, bool):
-                    continue
-                if isinstance(leaf, numbers.Real):
+                if is_real_number(leaf):
                     v = float(leaf)
                 elif (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_nested
                       and leaf.numel() == 1 and not leaf.is_complex() and leaf.dtype != torch.bool and not leaf.is_meta):
@@ -975,32 +991,6 @@ def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[in
             if math.isfinite(v) and v != 0:
                 out.append(((i, j), v))
     return out
-
-
-def _batch_counts(args: tuple, batched: tuple[int, ...]) -> dict[str, float]:
-    """The counts of a batch a normaliser could be: its size, and per batched tensor with an
-    entry per position (two dims or more; a bool tensor any) its True / non-zero entries, its
-    non-negative entries (integer labels other than an ignore index) and its sum (a 0/1 mask)."""
-    stats: dict[str, float] = {"the batch size": float(check_batch_size(args, batched))}
-    for i in batched:
-        for j, leaf in enumerate(optree.tree_leaves(args[i], none_is_leaf=True)):
-            if (not isinstance(leaf, torch.Tensor) or leaf.layout != torch.strided or leaf.is_nested
-                    or leaf.is_complex() or leaf.is_meta):
-                continue
-            x = leaf.detach()
-            name = f"argument {i} (leaf {j})"
-            try:
-                if x.dtype == torch.bool:
-                    stats[f"the True entries of {name}"] = float(x.count_nonzero())
-                elif x.dim() >= 2:
-                    stats[f"the non-zero entries of {name}"] = float(x.count_nonzero())
-                    if x.dtype.is_floating_point:
-                        stats[f"the sum of {name}"] = float(x.sum(dtype=torch.float64))
-                    else:
-                        stats[f"the non-negative entries of {name}"] = float((x >= 0).count_nonzero())
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue  # (a tensor kind without these reductions: the call decides what it is)
-    return stats
 
 
 def _user_settings(sig: Any) -> tuple:
@@ -1631,8 +1621,8 @@ def compile_dp(
             batched arguments disagree on the batch size; at a call, subnormal float32 results
             flushed to zero (``torch.set_flush_denormal``); at a call, a number outside
             ``batch_argnums`` that has equalled a count of the batch (its size, or a batched
-            tensor's non-zero entries or sum) at every call while that count took three values
-            (``_ScalarWatch``).
+            tensor's number of entries, non-zero entries or sum) at every call while that count
+            took three values (``_ScalarWatch``).
         InputTypeError: wrong argument types; no trainable parameter (at a call: which
             parameters train is read then, ``requires_grad`` may change between calls).
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced

@@ -17,15 +17,14 @@ values and refuses a loss that mixes examples (or whose reduction is not the dec
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import optree
 import torch
 
+from opake_compile._statistics import batch_statistics as _batch_statistics
+from opake_compile._statistics import is_real_number as _real
 from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["Program", "Tape", "TapeTensor", "check_separable"]
@@ -433,50 +432,6 @@ def _common_value(t: torch.Tensor) -> float | None:
     if nz.numel() == 0 or not bool((nz == nz[0]).all()):
         return None
     return float(nz[0])
-
-
-def _batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tuple[Any, str], float, str, float]]:
-    """Numbers a loss might divide by that depend on the whole batch, from the batched
-    tensors it reads (``(index, tensor)`` pairs): a float or bool tensor's sum and count of
-    non-zero entries (a mask's token count, a weight total), an integer tensor's counts of
-    non-zero and of non-negative entries where it has several per example (labels other than
-    a padding id or a negative ignore index; not one class label per example, whose counts
-    are too often a round number), and each one's number of entries. As ``(ident, value,
-    description, relative slack)``, ``ident = (index, kind)`` the same at every step of one
-    loss, the slack what the statistic's own rounding may add to a number's tolerance."""
-    out: list[tuple[tuple[Any, str], float, str, float]] = []
-    for i, t in read:
-        if t.is_complex() or t.numel() == 0:
-            continue
-        name = f"the batch's tensor of shape {tuple(t.shape)}"
-        out.append(((i, "numel"), float(t.numel()), f"the number of entries of {name}", 0.0))
-        d = t.detach().to_dense() if t.is_sparse else t.detach()
-        real = d.dtype.is_floating_point or d.dtype == torch.bool
-        if not real and d.dim() < 2:
-            continue
-        with torch.no_grad():
-            # In float64 and int64: comparisons and round have no kernel for every dtype
-            # (uint16, float8).
-            d = d.double() if real else d.to(torch.int64)
-            if real:
-                total = float(d.sum())
-                if math.isfinite(total):
-                    # A sum the loss computed in the tensor's own dtype may round: within
-                    # 4 numel u of the exact one, unless every entry is a whole number (a mask).
-                    exact = t.dtype == torch.bool or bool((d == d.round()).all())
-                    slack = 0.0 if exact else 4 * d.numel() * torch.finfo(t.dtype).eps
-                    out.append(((i, "sum"), total, f"the sum of {name}", slack))
-            out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
-            if not real:
-                out.append(((i, "nonneg"), float((d >= 0).sum()), f"the count of non-negative entries of {name}", 0.0))
-    return out
-
-
-def _real(leaf: Any) -> bool:
-    """A real number (Python or NumPy scalar), not a bool."""
-    return isinstance(leaf, (numbers.Real, np.generic)) and not isinstance(leaf, (bool, np.bool_)) and not isinstance(
-        leaf, (complex, np.complexfloating)
-    )
 
 
 def _name(func: Any) -> str:
