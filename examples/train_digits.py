@@ -653,7 +653,7 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
     train_s = 0.0
     for epoch in range(start_step // steps_per_epoch + 1, config.epochs + 1):
         t0 = time.perf_counter()
-        loss_sum, seen, stepped = 0.0, 0, 0
+        loss_sum, seen, steps_before = 0.0, 0, optimizer.steps
         # One iter() per epoch (tqdm.auto would call iter() on a sampler once more itself, which
         # starts, and discards, one more epoch); after a restore it resumes mid-epoch.
         left = config.epochs * steps_per_epoch - optimizer.steps - (config.epochs - epoch) * steps_per_epoch
@@ -663,7 +663,6 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
             idx_t = torch.as_tensor(idx, dtype=torch.int64)
             out = step(data.x_train[idx_t], data.y_train[idx_t])
             optimizer.step(out.clipped, draw=idx)  # charged per Poisson draw
-            stepped += 1
             scheduler.step()
             if ckpt is not None and (optimizer.steps % every == 0 or optimizer.steps == total_steps):
                 ckpt.save(optimizer.steps, **state)
@@ -683,7 +682,8 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
             "epsilon": eps,
             # From the expected batch size q N: the realised count of sampled examples is a
             # statistic of the data (one example's presence moves it), and is not privatised.
-            "examples_per_s": stepped * optimizer.expected_batch_size / epoch_s if epoch_s > 0 else float("nan"),
+            "examples_per_s": (optimizer.steps - steps_before) * optimizer.expected_batch_size / epoch_s
+            if epoch_s > 0 else float("nan"),
         }
         history.append(row)
         _log(
