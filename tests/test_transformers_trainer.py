@@ -410,3 +410,38 @@ def test_early_stopping_reads_the_best_metric(tmp_path):
     assert trainer.state.best_metric == max(losses[:stop])
     assert trainer.state.global_step == stop and len(losses) == stop
     assert stop < 12  # (this run stops at step 9 of 12: two evaluations without a new highest loss)
+
+
+def test_a_second_train_call_continues_the_run(tmp_path):
+    """train() stopped at step 2 by a callback, then train() again: the same parameters, step
+    count, checkpoint names and epsilon as one uninterrupted 4-step run (the step count restarted
+    at 0 before while the accountant went on, and checkpoint-2 was overwritten by step 4's
+    state). A third call has nothing left to do; raising max_steps in between is refused."""
+    rows = lm_rows(24)
+    kw = dict(noise_multiplier=1.0, expected_batch_size=6, max_steps=4, save_strategy="steps", save_steps=2)
+    full = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "full", **kw), train_dataset=rows)
+    out_full = quiet(full.train)
+
+    class StopAt2(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    parts = DPTrainer(tiny_gpt2(), dp_args(tmp_path / "parts", **kw), train_dataset=rows, callbacks=[StopAt2()])
+    assert quiet(parts.train).global_step == 2
+    parts.remove_callback(StopAt2)
+    out = quiet(parts.train)
+    assert out.global_step == 4 and parts.dp_optimizer.steps == 4
+    assert out.epsilon == out_full.epsilon
+    assert all(torch.equal(a, b) for a, b in zip(full.model.parameters(), parts.model.parameters()))
+    from opake_compile.checkpoint import Checkpointer
+
+    assert Checkpointer(tmp_path / "parts" / "checkpoint-2" / "dp_state").latest_step() == 2
+    assert Checkpointer(tmp_path / "parts" / "checkpoint-4" / "dp_state").latest_step() == 4
+    before = [p.detach().clone() for p in parts.model.parameters()]
+    assert quiet(parts.train).global_step == 4 and parts.dp_optimizer.steps == 4
+    assert all(torch.equal(a, b) for a, b in zip(before, parts.model.parameters()))
+    parts.args.max_steps = 6
+    with pytest.raises(ConfigurationError, match="plan 6 steps"):
+        quiet(parts.train)
+    assert parts.dp_optimizer.steps == 4

@@ -246,6 +246,7 @@ class DPTrainer(transformers.Trainer):
         self.dp_noise_multiplier: float | None = None
         self._dp_keys: tuple[str, ...] | None = None
         self._planned_steps: int | None = None
+        self._dp_epoch: Any = None  # the sampler's epoch iterator a stopped train() left off in
 
     # ------------------------------------------------------------------ collation
     def _collate_train(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
@@ -491,6 +492,10 @@ class DPTrainer(transformers.Trainer):
         Args:
             resume_from_checkpoint: ``True`` (the newest ``checkpoint-*`` in ``output_dir``) or a
                 checkpoint directory; everything random and every step charged is restored.
+            A second call on the same trainer (after an interruption, an early stop or
+            ``PrivacyBudgetExhaustedError``) continues its run in memory: the step count,
+            scheduler, sampler, noise and accountant go on up to the planned steps; changing
+            ``max_steps`` or ``num_train_epochs`` in between is refused.
             rewind: allow resuming from a checkpoint older than another complete checkpoint of
                 the same run (beside it or in ``output_dir``, compared by the steps their DP
                 states hold, whatever the folders' names): it replays the later steps' noise, so
@@ -517,16 +522,37 @@ class DPTrainer(transformers.Trainer):
             if found is None:
                 raise CheckpointError(f"{resume} holds no DP checkpoint ({_DP_STATE_DIR}/{_ROOT_DIR}).")
             root_key = found[1]["root_key"]
+        # A second train() on this trainer continues its run in memory, as a resume from its
+        # latest state would: the step count, scheduler, sampler, noise and accountant go on
+        # (the step count restarted at 0 before, while the accountant went on, and the second
+        # call's checkpoint-<n> folders overwrote the first call's with later states).
+        continuing = resume is None and self.dp_optimizer is not None and self.dp_optimizer.steps > 0
+        if continuing and self._planned() != self._planned_steps:
+            raise ConfigurationError(
+                f"max_steps / num_train_epochs now plan {self._planned()} steps, but this trainer's noise "
+                f"multiplier and scheduler were set up for {self._planned_steps} by its first train(), which "
+                f"has taken {self.dp_optimizer.steps}: build a new DPTrainer for a longer run (its epsilon "
+                "then composes with this one's), or keep the planned steps to continue this run."
+            )
         self.setup_privacy(root_key)
         assert self.dp_optimizer is not None and self.dp_sampler is not None
         planned = self._planned_steps
-        self.state = TrainerState(
-            stateful_callbacks=[
-                cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
-            ]
-        )
-        self.state.train_batch_size = args.per_device_train_batch_size
-        self.state.compute_steps(args, planned)
+        if continuing:
+            self.state.global_step = self.dp_optimizer.steps
+            if self.state.global_step >= planned:
+                logger.warning(
+                    "train(): this trainer has already taken its %d planned DP steps (epsilon %.4g); "
+                    "nothing to do.", planned, self.epsilon()
+                )
+        else:
+            self._dp_epoch = None
+            self.state = TrainerState(
+                stateful_callbacks=[
+                    cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)
+                ]
+            )
+            self.state.train_batch_size = args.per_device_train_batch_size
+            self.state.compute_steps(args, planned)
         if resume is not None:
             restored = Checkpointer(resume / _DP_STATE_DIR).restore(**self._dp_objects())
             if restored is None:
@@ -551,7 +577,9 @@ class DPTrainer(transformers.Trainer):
         stop = self.state.global_step >= planned
         while not stop:
             self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
-            for draw in self.dp_sampler:
+            if self._dp_epoch is None:
+                self._dp_epoch = iter(self.dp_sampler)
+            for draw in self._dp_epoch:
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 if not self.model.training:
                     self.model.train()  # evaluate() in a callback left it in eval mode
@@ -594,6 +622,7 @@ class DPTrainer(transformers.Trainer):
                     stop = True
                     break
             if not stop:
+                self._dp_epoch = None  # (the epoch's draws are all taken; a stop keeps its place)
                 self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         runtime = time.time() - start
         eps = self.epsilon()
