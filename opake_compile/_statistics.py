@@ -14,7 +14,9 @@ import torch
 __all__ = ["batch_statistics", "is_real_number"]
 
 
-def batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tuple[Any, str], float, str, float]]:
+def batch_statistics(
+    read: Sequence[tuple[Any, torch.Tensor]], *, slack: bool = True
+) -> list[tuple[tuple[Any, str], float, str, float]]:
     """Numbers a loss might divide by that depend on the whole batch, from the batched
     tensors it reads (``(index, tensor)`` pairs): a float or bool tensor's sum and count of
     non-zero entries (a mask's token count, a weight total), an integer tensor's counts of
@@ -22,7 +24,9 @@ def batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tup
     a padding id or a negative ignore index; not one class label per example, whose counts
     are too often a round number), and each one's number of entries. As ``(ident, value,
     description, relative slack)``, ``ident = (index, kind)`` the same at every step of one
-    loss, the slack what the statistic's own rounding may add to a number's tolerance."""
+    loss, the slack what the statistic's own rounding may add to a number's tolerance (0.0
+    for every statistic when ``slack=False``, which skips reading whether a float tensor holds
+    only whole numbers: 6 ms for 256 images of 3 x 32 x 32 on one core)."""
     out: list[tuple[tuple[Any, str], float, str, float]] = []
     for i, t in read:
         if t.is_complex() or t.numel() == 0:
@@ -42,10 +46,10 @@ def batch_statistics(read: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[tup
                 if math.isfinite(total):
                     # A sum the loss computed in the tensor's own dtype may round: within
                     # 4 numel u of the exact one, unless every entry is a whole number (a mask).
-                    exact = t.dtype == torch.bool or bool((d == d.round()).all())
-                    slack = 0.0 if exact else 4 * d.numel() * torch.finfo(t.dtype).eps
-                    out.append(((i, "sum"), total, f"the sum of {name}", slack))
-            out.append(((i, "nonzero"), float((d != 0).sum()), f"the count of non-zero entries of {name}", 0.0))
+                    exact = not slack or t.dtype == torch.bool or bool((d == d.round()).all())
+                    out.append(((i, "sum"), total, f"the sum of {name}",
+                                0.0 if exact else 4 * d.numel() * torch.finfo(t.dtype).eps))
+            out.append(((i, "nonzero"), float(torch.count_nonzero(d)), f"the count of non-zero entries of {name}", 0.0))
             if not real:
                 out.append(((i, "nonneg"), float((d >= 0).sum()), f"the count of non-negative entries of {name}", 0.0))
     return out

@@ -1426,8 +1426,37 @@ def test_an_unbatched_number_that_follows_a_count_of_the_batch_is_refused():
         step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
         for ids, labels in batches[:3]:
             step(ids, labels, wrap(1 / len(ids)))
-        with pytest.raises(ConfigurationError, match="has equalled the batch size"):
+        with pytest.raises(ConfigurationError, match="inverse has equalled the batch size"):
             step(*batches[3], wrap(1 / 3))
+
+
+def test_a_transformed_count_of_the_batch_is_refused():
+    # Forms the first version missed (review): a next-token loss's count of its shifted labels,
+    # and counts on a line a * count + b (count + 1, twice the count, the inverse of either).
+    # Equality takes three values of the count; a line, which any two points fix, five.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+
+    def loss(m, ids, labels, n_tokens):
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n_tokens
+
+    # Non-negative labels 18, 27, 13, 24, 6, 8 (batch sizes 4, 5, 4, 3, 6, 1): every row's
+    # first label counts, so the shifted count is the count less the batch size.
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8], [1, 1, 1, 1, 1, 1], [8]])
+    count = lambda labels: float((labels >= 0).sum())
+    forms = {
+        "shifted": (lambda labels: float((labels[:, 1:] >= 0).sum()), 2, "it has equalled the non-negative entries of argument 1 .leaf 0. without its first position"),
+        "count + 1": (lambda labels: count(labels) + 1, 4, "it has followed a line a.count . b of the non-negative entries of argument 1"),
+        "1 / (2 count)": (lambda labels: 0.5 / count(labels), 4, "its inverse has followed a line a.count . b of"),
+    }
+    for name, (form, refused_at, match) in forms.items():
+        step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
+        for ids, labels in batches[:refused_at]:
+            step(ids, labels, form(labels))
+        with pytest.raises(ConfigurationError, match=match):
+            step(*batches[refused_at], form(batches[refused_at][1]))
+        assert step.num_calls == refused_at, name
 
 
 def test_public_constants_and_schedules_beside_the_batch_still_train():
@@ -1448,6 +1477,7 @@ def test_public_constants_and_schedules_beside_the_batch_still_train():
         "a schedule changing every call": [1.0 + 0.5 * t for t in range(5)],
         "a step counter meeting the batch size at the first two calls": [4.0, 5.0, 6.0, 7.0, 8.0],
         "a random integer equal to the batch size at four of five calls": [4.0, 5.0, 7.0, 3.0, 6.0],
+        "the batch size plus one at four of five calls": [5.0, 6.0, 5.0, 4.0, 8.0],
     }
     for name, values in cases.items():
         step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))

@@ -910,23 +910,35 @@ class DPStep:
 
 class _ScalarWatch:
     """Refuses an unbatched number (a Python or NumPy number, or a one-element tensor, in an
-    argument outside ``batch_argnums``) that tracks a count of the batch: equal to the batch
-    size or to a statistic of a batched tensor (:func:`~opake_compile._statistics.batch_statistics`,
-    as the Opacus layer reads them: its number of entries, its non-zero or non-negative entries,
-    its sum), or to its inverse, at every call so far, while that count took three different
-    values. A loss divided by the batch's token count passed this way let one example rescale
-    every other: removing it moved the clipped sum by 1.52 C (review). One or two calls cannot
-    tell such a number from a public one that happens to equal a count: a first version that
-    refused after two matching calls refused 11 % of runs passing a step counter beside
-    Poisson batches of about 8, and 73 % passing a random integer magnitude in 0..10 (second
-    review). A constant never changes while a count does, so it is never refused; a schedule
-    or a random number must equal the same count at every call from the first. Only computed
-    when such numbers are passed (a host read per statistic)."""
+    argument outside ``batch_argnums``) that tracks a count of the batch. The counts: the batch
+    size and the statistics of each batched tensor that
+    :func:`~opake_compile._statistics.batch_statistics` reads for the Opacus layer (its number of
+    entries, its non-zero or non-negative entries, its sum), also over a 2-dim tensor without its
+    first or its last position (a next-token loss counts its shifted labels).
+    Tracking: the number ``x``, or its inverse, equals the count at every call so far while the
+    count took three values; or equals ``a count + b`` (``a != 0``: ``count + 1``, ``2 count``,
+    a clamp that has not bound) at every call while the count took five values.
+
+    A loss divided by the batch's token count passed this way let one example rescale every
+    other: removing it moved the clipped sum by 1.52 C (review). A few calls cannot tell such a
+    number from a public one that happens to follow a count: a first version that refused after
+    two matching calls refused 11 % of runs passing a step counter beside Poisson batches of
+    about 8, and 73 % passing a random integer magnitude in 0..10 (second review). A constant
+    never changes while a count does, so it is never refused; a schedule or a random number
+    must follow the same count, on the same line, at every call from the first (a step counter
+    beside Poisson batch sizes: the sizes must step evenly five times). Only computed when such
+    numbers are passed (a host read per statistic)."""
+
+    #: Distinct values of the count before a number equal to it (or to its inverse) is refused.
+    EQUAL_AFTER = 3
+    #: Distinct values of the count before a number on a line ``a count + b`` (or its inverse
+    #: on one) is refused: two points fix any line, so it takes more than equality.
+    LINE_AFTER = 5
 
     def __init__(self) -> None:
-        # Per number: the counts it has equalled at every call so far, each with the set of
-        # values that count took.
-        self._last: dict[tuple[int, int], dict[tuple, set[float]]] = {}
+        # Per number (argument, leaf), per count and form ("x" or "1/x"): the distinct
+        # (count, value) pairs seen while every call kept to one line through them.
+        self._last: dict[tuple[int, int], dict[tuple, list[tuple[float, float]]]] = {}
 
     def check(self, args: tuple, batched: tuple[int, ...]) -> None:
         scalars = _scalar_leaves(args, batched)
@@ -936,35 +948,66 @@ class _ScalarWatch:
         # 1e-6, not within the slack batch_statistics allows a sum rounded in its tensor's dtype
         # (37 % for a float32 image batch): a constant equal to a count within that slack at
         # every call while the count moved would be refused.
-        stats = [(("size",), float(check_batch_size(args, batched)), "the batch size")]
+        counts = {("size",): (float(check_batch_size(args, batched)), "the batch size")}
         tensors = [((i, j), leaf) for i in batched for j, leaf in enumerate(optree.tree_leaves(args[i], none_is_leaf=True))
                    if isinstance(leaf, torch.Tensor) and leaf.layout in (torch.strided, torch.sparse_coo)
                    and not leaf.is_nested and not leaf.is_meta]
         try:
-            stats += [(ident, c, f"the {_KINDS[ident[1]]} of argument {ident[0][0]} (leaf {ident[0][1]})")
-                      for ident, c, _, _ in batch_statistics(tensors)]
+            read = [((ident, ""), t) for ident, t in tensors]
+            for ident, t in tensors:
+                if t.dim() == 2 and t.shape[1] >= 2 and t.layout == torch.strided:  # (rows, positions)
+                    read += [((ident, " without its first position"), t[:, 1:]),
+                             ((ident, " without its last position"), t[:, :-1])]
+            for ((leaf, cut), kind), c, _, _ in batch_statistics(read, slack=False):
+                counts[(leaf, cut, kind)] = (c, f"the {_KINDS[kind]} of argument {leaf[0]} (leaf {leaf[1]}){cut}")
         except (RuntimeError, NotImplementedError, TypeError):
             pass  # (a tensor kind without these reductions: the batch size is still compared)
-        counts = {ident: (c, what) for ident, c, what in stats}
         seen = {}
         for path, v in scalars:
-            matched = {ident for ident, (c, _) in counts.items() if c >= 3 and (abs(v - c) <= 1e-6 * c or abs(v * c - 1) <= 1e-6)}
             prev = self._last.get(path)
-            kept = ({k: {counts[k][0]} for k in matched} if prev is None
-                    else {k: prev[k] | {counts[k][0]} for k in matched if k in prev})
-            tracked = [k for k, values in kept.items() if len(values) >= 3]
-            if tracked:
-                k = tracked[0]
-                raise ConfigurationError(
-                    f"Argument {path[0]} (leaf {path[1]}) = {v!r} has equalled {counts[k][1]} (or its inverse) at every "
-                    f"call, while that count took the values {sorted(kept[k])}: a number computed from the batch "
-                    "and passed beside it (a token count, the batch size) lets one example rescale every "
-                    "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
-                    "it per example inside the loss (e.g. each sequence's own token count from its mask), or "
-                    "pass a public constant (the expected count). Nothing was computed or changed."
-                )
+            kept: dict[tuple, list[tuple[float, float]]] = {}
+            for ident, (c, _) in counts.items():
+                for form, y in (("x", v), ("1/x", 1.0 / v)):
+                    key = (ident, form)
+                    if prev is None:
+                        kept[key] = [(c, y)]
+                    elif key in prev and (points := _on_one_line(prev[key], c, y)) is not None:
+                        kept[key] = points
+            for (ident, form), points in kept.items():
+                equal = len(points) >= self.EQUAL_AFTER and all(
+                    cc >= 3 and abs(yy - cc) <= 1e-6 * cc for cc, yy in points)
+                if equal or len(points) >= self.LINE_AFTER:
+                    c, what = counts[ident]
+                    how = (("its inverse has" if form == "1/x" else "it has") + " equalled"
+                           if equal else ("its inverse has" if form == "1/x" else "it has") + " followed a line a*count + b of")
+                    raise ConfigurationError(
+                        f"Argument {path[0]} (leaf {path[1]}) = {v!r}: {how} {what} at every call, while that "
+                        f"count took the values {sorted(cc for cc, _ in points)}: a number computed from the batch "
+                        "and passed beside it (a token count, the batch size) lets one example rescale every "
+                        "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
+                        "it per example inside the loss (e.g. each sequence's own token count from its mask), or "
+                        "pass a public constant (the expected count). Nothing was computed or changed."
+                    )
             seen[path] = kept
         self._last.update(seen)
+
+
+def _on_one_line(points: list[tuple[float, float]], c: float, y: float) -> list[tuple[float, float]] | None:
+    """``points`` (distinct counts with their values, all on one line of non-zero slope) with
+    ``(c, y)`` added, or ``None`` if ``(c, y)`` leaves that line: the same count with another
+    value, a second count with the same value (slope 0: a constant), or a third point off the
+    line through the first two (within 1e-6 of the terms' size)."""
+    tol = lambda *terms: 1e-6 * sum(abs(t) for t in terms)
+    for cc, yy in points:
+        if cc == c:
+            return points if abs(yy - y) <= tol(yy, y) else None
+    if len(points) == 1:
+        (c0, y0), = points
+        return None if abs(y - y0) <= tol(y, y0) else points + [(c, y)]
+    (c0, y0), (c1, y1) = points[:2]
+    a = (y1 - y0) / (c1 - c0)
+    b = y0 - a * c0
+    return points + [(c, y)] if abs(y - (a * c + b)) <= tol(y, a * c, b) else None
 
 
 #: How :meth:`_ScalarWatch.check` names each kind of statistic of ``batch_statistics``.
@@ -1621,8 +1664,9 @@ def compile_dp(
             batched arguments disagree on the batch size; at a call, subnormal float32 results
             flushed to zero (``torch.set_flush_denormal``); at a call, a number outside
             ``batch_argnums`` that has equalled a count of the batch (its size, or a batched
-            tensor's number of entries, non-zero entries or sum) at every call while that count
-            took three values (``_ScalarWatch``).
+            tensor's number of entries, non-zero entries or sum, also over its positions but
+            the first or the last) at every call while that count took three values, or
+            followed a line ``a count + b`` while it took five (``_ScalarWatch``).
         InputTypeError: wrong argument types; no trainable parameter (at a call: which
             parameters train is read then, ``requires_grad`` may change between calls).
         UnsupportedOperationError: BatchNorm in training mode, a loss that cannot be traced
