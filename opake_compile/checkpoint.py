@@ -12,14 +12,17 @@ for bit on the same machine, torch version and thread settings).
 
 Files. ``<directory>/ckpt-<step:010d>.safetensors``: the flat tensors of
 :func:`~opake_compile.serialization.state_dict` plus, in the safetensors header, the structure
-(``"opake_compile"``), the step number and a SHA-256 checksum of the metadata and of every
-tensor's bytes (checked on restore: a corrupted file raises instead of loading garbage).
+(``"opake_compile"``), the step number, the save's sequence number in the directory and a
+SHA-256 checksum of the metadata and of every tensor's bytes (checked on restore: a corrupted
+file raises instead of loading garbage). Checkpoints are ordered by when they were saved, not
+by their step numbers: ``restore()`` loads the latest save, and the latest ``keep`` saves are
+kept, so a step counter that restarts (per epoch) never rewinds the run.
 
 Atomicity. A checkpoint is written to a temporary file in the same directory, flushed and
 ``fsync`` ed, then renamed over its final name (``os.replace``, atomic on POSIX) and the
 directory is ``fsync`` ed. A crash at any point leaves either the previous set of complete
 checkpoints or the new one; leftover temporary files are ignored and removed by the next save.
-Only after the rename are checkpoints beyond the newest ``keep`` deleted.
+Only after the rename are checkpoints beyond the latest ``keep`` saves deleted.
 
 Example::
 
@@ -134,9 +137,10 @@ class Checkpointer:
     ``save(step_number, **objects)`` writes every object (models, ``DPOptimizer`` with its
     wrapped optimizer, samplers, ``DPStep``, schedulers, keys, clip and noise states, any
     type registered with :func:`opake_compile.serialization.register_serializer`) into one
-    checkpoint, atomically. ``restore(**objects)`` loads the newest complete checkpoint into
-    objects built with the same configuration and returns its step number (``None``, touching
-    nothing, when there is none). The names of the keyword arguments are the top-level keys of
+    checkpoint, atomically. ``restore(**objects)`` loads the most recently saved complete
+    checkpoint into stateful objects built with the same configuration and returns its step
+    number (``None``, touching nothing, when there is none; value types such as keys and noise
+    states are refused there: :meth:`restore_state` returns them). The names of the keyword arguments are the top-level keys of
     the checkpoint: restore with the names used for saving.
 
     One process per directory: in a data-parallel run the sampler's state is per rank, so give
@@ -145,7 +149,7 @@ class Checkpointer:
 
     Args:
         directory: where checkpoints live (created if missing). One run per directory.
-        keep: how many of the newest checkpoints to keep (>= 1).
+        keep: how many of the latest saves to keep (>= 1).
 
     Raises:
         InputTypeError, ConfigurationError: ``keep`` is not an int >= 1.
@@ -188,9 +192,12 @@ class Checkpointer:
         return sorted(out)
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step number, or ``None``."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The step number of the most recently saved complete checkpoint (the one
+        :meth:`restore` loads), or ``None``. Checkpoints are ordered by when they were saved,
+        not by their numbers: after a counter restarted, or a rewind, the latest save holds
+        the run's state."""
+        order = self._save_order()
+        return order[-1][1] if order else None
 
     # ------------------------------------------------------------------------------ save
     def save(self, step_number: int, **objects: Any) -> Path:
@@ -216,12 +223,14 @@ class Checkpointer:
         flat, meta = _ser.state_dict(dict(objects))
         tensors = _ser._writable(flat)
         meta_json = _ser._metadata_json(meta)
+        self._dir.mkdir(parents=True, exist_ok=True)
+        order = self._save_order()
         header = {
             "opake_compile": meta_json,
             "opake_compile.step": str(step_number),
+            "opake_compile.saved": str(max((seq for seq, _ in order), default=0) + 1),
             "opake_compile.sha256": _checksum(tensors, meta_json),
         }
-        self._dir.mkdir(parents=True, exist_ok=True)
         final = self.path(step_number)
         tmp = self._dir / f"{_TMP_PREFIX}{step_number:010d}-{os.getpid()}.safetensors"
         try:
@@ -234,8 +243,27 @@ class Checkpointer:
         self._prune()
         return final
 
+    def _save_order(self) -> list[tuple[int, int]]:
+        """``(save sequence, step number)`` of every complete checkpoint, oldest save first.
+        Files written before the sequence was recorded (or without a readable header) count
+        as saved before all others, among themselves in step order."""
+        out = []
+        for step in self.steps():
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(self.path(step)), framework="pt") as f:
+                    seq = int((f.metadata() or {}).get("opake_compile.saved", 0))
+            except Exception:  # noqa: BLE001 - a corrupted file: load() says so when asked
+                seq = 0
+            out.append((seq, step))
+        return sorted(out)
+
     def _prune(self) -> None:
-        for s in self.steps()[: -self._keep]:
+        # The most recently saved are kept, whatever their step numbers: a counter that
+        # restarted (per epoch) had the file just written pruned as the lowest number, and a
+        # later restore() rewound silently to an older state (review).
+        for _, s in self._save_order()[: -self._keep]:
             self.path(s).unlink(missing_ok=True)
         for p in self._dir.iterdir():
             if p.name.startswith(_TMP_PREFIX):
@@ -254,12 +282,22 @@ class Checkpointer:
             no complete checkpoint (then nothing is changed).
 
         Raises:
-            CheckpointError: the newest checkpoint is corrupted (checksum), unreadable or does
+            CheckpointError: an object holds a value type (use :meth:`restore_state`); the
+                newest checkpoint is corrupted (checksum), unreadable or does
                 not match ``objects`` (missing or extra names, shapes, dtypes, configuration
                 such as the noise multiplier, sample rate or clipping norm). Nothing has
                 changed then. Older checkpoints are not tried silently: pass one explicitly
                 with :meth:`load` (``rewind=True``, and read its warning).
         """
+        values = [name for name, obj in objects.items() if _value_leaves(obj)]
+        if values:
+            raise CheckpointError(
+                f"restore() loads objects in place, but {values[0]!r} holds a value ("
+                f"{type(_value_leaves(objects[values[0]])[0]).__name__}: a key, a clip or noise state, a tensor, a "
+                "number) whose restored copy it would discard, so that the run went on from the fresh one (a noise "
+                "state's key replayed step 1's noise). Use restore_state(), which returns the restored values. "
+                "Nothing was loaded."
+            )
         found = self.restore_state(**objects)
         return None if found is None else found[0]
 
@@ -290,10 +328,10 @@ class Checkpointer:
         if not path.is_file():
             raise CheckpointError(f"No checkpoint of step {step_number} in {self._dir} (have {self.steps()}).")
         latest = self.latest_step()
-        if latest is not None and step_number < latest and not rewind:
+        if latest is not None and step_number != latest and not rewind:
             raise CheckpointError(
-                f"Checkpoint {step_number} is older than the newest ({latest}) in {self._dir}: a run continued "
-                f"from it replays the noise of steps {step_number + 1}..{latest}, already released with other "
+                f"Checkpoint {step_number} is older than the newest ({latest}, saved after it) in {self._dir}: a run continued "
+                "from it replays the noise of the steps taken after it, already released with other "
                 "data, and its accountant forgets them. Resume from the newest (restore()), or pass "
                 "rewind=True if nothing computed after this checkpoint was ever seen."
             )
@@ -303,6 +341,21 @@ class Checkpointer:
         if header.get("opake_compile.step") != str(step_number):
             raise CheckpointError(f"{path}: records step {header.get('opake_compile.step')!r}, its name says {step_number}.")
         return _ser.from_state_dict(dict(objects), flat, meta)
+
+
+def _value_leaves(obj: Any) -> list[Any]:
+    """The leaves of ``obj`` that restoring returns as new values instead of loading in place
+    (anything but a module, an optimizer, a scheduler or an object of an in-place serializer)."""
+    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+        return []
+    ser = _ser.serializer_for(obj)
+    if ser is not None:
+        return [] if ser.in_place else [obj]
+    if isinstance(obj, Mapping):
+        return [v for x in obj.values() for v in _value_leaves(x)]
+    if isinstance(obj, (list, tuple)):
+        return [v for x in obj for v in _value_leaves(x)]
+    return [obj]
 
 
 def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:

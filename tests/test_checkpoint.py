@@ -306,3 +306,54 @@ def test_another_models_optimizer_state_is_refused_at_load(tmp_path):
     with pytest.raises(CheckpointError, match=r"exp_avg: shape \(3, 6\)"):
         ckpt.restore(optimizer=b["optimizer"])
     assert _equal(_state(b), before) and b["optimizer"].steps == 0
+
+
+def test_the_latest_save_is_restored_whatever_its_step_number(tmp_path):
+    """A step counter that restarts (per epoch) saved step 1 after steps 2-4 exist: the file just
+    written was pruned as the lowest number and a later restore() rewound silently to a state 2
+    charged steps older, whose next step replayed released noise (review). Checkpoints are
+    ordered by when they were saved; an older save loads only with rewind=True."""
+    ckpt = C.Checkpointer(tmp_path / "run", keep=3)
+    objs = _objects()
+    for i in range(1, 5):  # epoch 0: steps 1..4
+        _advance(objs, 1)
+        ckpt.save(i, **objs)
+    _advance(objs, 2)  # epoch 1 restarts the counter: 6 steps charged, saved as "2"
+    saved = _state(objs)
+    ckpt.save(2, **objs)
+    assert ckpt.path(2).is_file() and ckpt.latest_step() == 2 and ckpt.steps() == [2, 3, 4]
+    fresh = _objects()
+    assert ckpt.restore(**fresh) == 2
+    assert fresh["optimizer"].steps == 6 and _equal(_state(fresh), saved)
+    with pytest.raises(CheckpointError, match=r"older than the newest \(2, saved after it\)"):
+        ckpt.load(4, **_objects())
+    # keep=1: the save just written is the one kept, not the one with the higher number.
+    one = C.Checkpointer(tmp_path / "one", keep=1)
+    one.save(5, **objs)
+    one.save(1, **objs)
+    assert one.steps() == [1]
+
+
+def test_restore_refuses_value_types_it_would_discard(tmp_path):
+    """restore() loads in place and returns a step number: a noise state passed to it was
+    checked, restored into a copy and dropped, and the resumed loop added step 1's noise again
+    (review). Refused, naming restore_state, which returns the restored values."""
+    from opake_compile.dpsgd.noise import gaussian_noise
+
+    ckpt = C.Checkpointer(tmp_path / "run")
+    noise_fn, state = gaussian_noise(1.0, opake.random.key(0))
+    grads = opake.ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0,
+                                per_example_norms=torch.zeros(1), num_examples=1)
+    first, state = noise_fn(grads, state)
+    ckpt.save(1, noise=state, model=nn.Linear(2, 2))
+    fresh = gaussian_noise(1.0, opake.random.key(0))[1]
+    model = nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match="'noise' holds a value .* restore_state"):
+        ckpt.restore(noise=fresh, model=model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing loaded
+    step, restored = ckpt.restore_state(noise=fresh, model=model)
+    again = opake.ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0,
+                                per_example_norms=torch.zeros(1), num_examples=1)
+    second, _ = noise_fn(again, restored["noise"])
+    assert step == 1 and not torch.equal(first.grads["w"], second.grads["w"])
