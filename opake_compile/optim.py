@@ -874,6 +874,16 @@ class DPOptimizer:
         return targets
 
     # ---------------------------------------------------------------- checkpoints
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy, copy.deepcopy and pickle all come here.
+        raise ConfigurationError(
+            "A DPOptimizer is not copied or pickled: the copy would draw the same noise as this "
+            "optimizer (its key's value), so that two runs' updates differ by their clipped sums "
+            "without noise (review: copy.deepcopy((model, optimizer))). Save and restore it with "
+            "state_dict() / load_state_dict() or opake_compile.Checkpointer; for a second run, "
+            "build a new DPOptimizer with a fresh key."
+        )
+
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state plus the noise key, the step count and the privacy
         configuration (checked on load)."""

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import itertools
 import json
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,7 +56,10 @@ __all__ = [
 
 _STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
-_SAMPLER_IDS = itertools.count()
+def _new_sampler_id() -> int:
+    """A sampler's id: random, so that a sampler made in another process cannot share it (a
+    per-process counter made the first sampler of two processes alike)."""
+    return secrets.randbits(62)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,7 @@ class DrawId:
     """The identity of one Poisson draw: which sampler handed it out, and when.
 
     Attributes:
-        source: an id of the sampler object (unique within the process).
+        source: an id of the sampler object (random, 62 bits: unique across processes).
         seq: 0-based hand-out number: the draw is the ``seq``-th the sampler handed out (over
             all epochs and :meth:`PoissonSampler.batch_at` calls). ``DPOptimizer`` charges every
             draw up to and including the one a step names.
@@ -208,7 +211,7 @@ class PoissonSampler(Sampler[list[int]]):
             steps = max(1, round(1.0 / self._sample_rate))
         self._steps = check_positive_int(steps, name="steps")
         self._epoch = 0
-        self._id = next(_SAMPLER_IDS)
+        self._id = _new_sampler_id()
         self._handed_out = 0
         # Which draw each (epoch, step) was handed out as, in runs [epoch, step0, seq0, count]
         # (iteration hands out consecutive steps as consecutive draws: one run per epoch): a
@@ -360,6 +363,16 @@ class PoissonSampler(Sampler[list[int]]):
         return self._draw(oprandom.fold_in(self._key, epoch), step, epoch)
 
     # -- checkpointing ------------------------------------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # copy.copy, copy.deepcopy and pickle all come here.
+        raise ConfigurationError(
+            f"A {type(self).__name__} is not copied or pickled: the copy would hand out the same "
+            "draws under the same identity, so that one sample was charged as two independent "
+            "draws (review: deepcopy, and a sampler pickled in another process at another sample "
+            "rate). Save and restore its state with state_dict() / load_state_dict() or "
+            "opake_compile.Checkpointer, into a sampler built with the same arguments."
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch counter, the position inside the epoch being iterated, and the

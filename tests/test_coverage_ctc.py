@@ -206,6 +206,32 @@ def test_user_loss_with_f_ctc_loss_matches_microbatch_oracle() -> None:
     assert step.num_calls == 2 and step.num_traces == 1
 
 
+
+def test_concatenated_targets_outside_the_batch_are_refused() -> None:
+    """Concatenated targets ``(sum(target_lengths),)`` cannot be a batched argument (their
+    length is not the batch's), so they were passed outside it, and every example read the
+    first example's labels: removing it moved the clipped sum by 4.0 C (review). Refused at
+    the trace, naming the padded form; nothing is charged or changed."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _FrameModel()
+    x = torch.randn(B, 8, 3, generator=seeded(1))
+    y = torch.randint(1, 3, (B, 2), generator=seeded(2))
+    il, tl = torch.full((B,), 8), torch.full((B,), 2)
+
+    def loss(m: nn.Module, x: torch.Tensor, il: torch.Tensor, tl: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        return F.ctc_loss(m(x).log_softmax(-1).transpose(0, 1), flat, il, tl, reduction="sum")
+
+    before = [p.detach().clone() for p in model.parameters()]
+    step = opake.compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager", batch_argnums=(0, 1, 2))
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match="concatenated targets .* padded, one row per example"):
+        step(x, il, tl, y.reshape(-1))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # The padded form, batched, trains.
+    padded = opake.compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    assert torch.isfinite(padded(x, il, tl, y).clipped.per_example_norms).all()
+
+
 # ----------------------------------------------------------------------------- transformers
 transformers = pytest.importorskip("transformers")
 
