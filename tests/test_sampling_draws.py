@@ -84,3 +84,29 @@ def test_draw_loader_yields_batches_with_their_draw():
         draw_loader(TensorDataset(x), s2, batch_size=4)
     with pytest.raises(InputTypeError):
         draw_loader(TensorDataset(x), [[0, 1]])
+
+
+def test_samplers_and_optimizers_are_not_copied():
+    """A deepcopy (or pickle) of a sampler kept its identity: the copy handed out a sample the
+    original had handed out as a new draw, and the optimizer charged the two as independent
+    draws; a sampler pickled in another process at q = 1 passed as this process's first
+    sampler at q = 0.01 (its id was a per-process counter). A copied DPOptimizer drew the same
+    noise as the original (review). Copies are refused; ids are random."""
+    import copy
+
+    import opake_compile as opake
+    from opake_compile.distributed import DistributedPoissonSampler
+    from opake_compile.sampling import CyclicPoissonSampler
+
+    sampler = PoissonSampler(20, 0.25, key=opake.random.key(0))
+    model = torch.nn.Linear(2, 2)
+    opt = opake.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            sampler=sampler, key=opake.random.key(1))
+    for obj in (sampler, opt, (model, opt), CyclicPoissonSampler(20, 0.25, 2, opake.random.key(2)),
+                DistributedPoissonSampler(20, 0.25, key=opake.random.key(3), rank=0, world_size=2)):
+        for how in (copy.copy, copy.deepcopy, pickle.dumps)[isinstance(obj, tuple):]:  # (copy.copy of a tuple is itself)
+            with pytest.raises(ConfigurationError, match="is not copied or pickled"):
+                how(obj)
+    assert copy.deepcopy(model) is not model  # the model alone copies as before
+    ids = {PoissonSampler(20, 0.25, key=opake.random.key(0))._id for _ in range(50)}
+    assert len(ids) == 50 and min(ids) >= 0 and max(ids) < 2**62
