@@ -267,10 +267,12 @@ def test_poisson_of_composed_gaussians_is_one_effective_gaussian():
 
 
 def test_truncated_poisson_uses_the_truncated_event_under_pld_and_is_refused_by_rdp():
+    # dp-accounting counts the record in question among dataset_size records: the event gets
+    # N + 1, the larger dataset of an add-one pair, whose bound is the larger (review).
     process = acc.poisson(acc.gaussian(1.0), 0.01, truncated_batch_size=5, dataset_size=200) * 10
     event = dp_accounting.SelfComposedDpEvent(
         dp_accounting.TruncatedSubsampledGaussianDpEvent(
-            dataset_size=200, sampling_probability=0.01, truncated_batch_size=5, noise_multiplier=1.0
+            dataset_size=201, sampling_probability=0.01, truncated_batch_size=5, noise_multiplier=1.0
         ),
         10,
     )
@@ -284,9 +286,31 @@ def test_truncated_poisson_uses_the_truncated_event_under_pld_and_is_refused_by_
         process.epsilon_at(1e-5, accountant="rdp")
 
 
-def test_truncation_at_or_above_dataset_size_is_plain_poisson():
-    never_truncated = acc.poisson(acc.gaussian(1.0), 0.1, truncated_batch_size=50, dataset_size=50)
+def test_truncation_above_dataset_size_is_plain_poisson():
+    never_truncated = acc.poisson(acc.gaussian(1.0), 0.1, truncated_batch_size=51, dataset_size=50)
     assert never_truncated.to_dp_event() == acc.poisson(acc.gaussian(1.0), 0.1).to_dp_event()
+    # At B = N the dataset with one more record can be truncated: the truncated event.
+    at_n = acc.poisson(acc.gaussian(1.0), 0.5, truncated_batch_size=50, dataset_size=50) * 20
+    assert at_n.to_dp_event() != (acc.poisson(acc.gaussian(1.0), 0.5) * 20).to_dp_event()
+    bigger = (acc.poisson(acc.gaussian(2.0), 0.5, truncated_batch_size=26, dataset_size=50) * 100).epsilon_at(1e-2, accountant=PLD_FAST)
+    event = dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+        dataset_size=50, sampling_probability=0.5, truncated_batch_size=26, noise_multiplier=2.0), 100)
+    assert bigger > direct(PLDAccountant, event, value_discretization_interval=FAST).get_epsilon(1e-2) * 1.01
+
+
+def test_mechanisms_built_directly_are_checked():
+    # GaussianMechanism(nan) built directly (the constructors refuse it) was accounted as
+    # epsilon 0 under RDP: dp-accounting reads the negative divergence as none (review).
+    nan = float("nan")
+    for build in (lambda: acc.GaussianMechanism(nan), lambda: acc.AdaClipMechanism(nan, 1.0),
+                  lambda: acc.AdaClipMechanism(1.0, -1.0), lambda: acc.PoissonSampled(acc.gaussian(1.0), nan),
+                  lambda: acc.PoissonSampled(acc.gaussian(1.0), 0.5, 0, 10),
+                  lambda: acc.ParallelPoissonSampled(acc.gaussian(1.0), 0.5, 0)):
+        with pytest.raises(ConfigurationError):
+            build()
+    with pytest.raises(InputTypeError):
+        acc.Repeated(acc.gaussian(1.0), True)
+    assert acc.GaussianMechanism(2.0) == acc.gaussian(2.0)
 
 
 # --- structure and mapping ----------------------------------------------------------------------

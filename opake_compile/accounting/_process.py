@@ -271,6 +271,11 @@ class Repeated(PrivacyProcess):
     process: PrivacyProcess
     count: int
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.process, PrivacyProcess):
+            raise InputTypeError(f"Expected process to be a privacy process, got {type(self.process).__name__}.")
+        object.__setattr__(self, "count", check_nonnegative_int(self.count, name="count"))
+
     def to_dp_event(self) -> dp_event.DpEvent:
         inner = self.process.to_dp_event()
         if self.count == 0 or isinstance(inner, dp_event.NoOpDpEvent):
