@@ -1439,7 +1439,8 @@ def test_a_transformed_count_of_the_batch_is_refused():
         model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
 
     def loss(m, ids, labels, n_tokens):
-        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n_tokens
+        n = torch.as_tensor(n_tokens).reshape(-1)[-1]  # (the last entry of a packed tensor)
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n
 
     # Non-negative labels 18, 27, 13, 24, 6, 8 (batch sizes 4, 5, 4, 3, 6, 1): every row's
     # first label counts, so the shifted count is the count less the batch size.
@@ -1449,6 +1450,8 @@ def test_a_transformed_count_of_the_batch_is_refused():
         "shifted": (lambda labels: float((labels[:, 1:] >= 0).sum()), 2, "it has equalled the non-negative entries of argument 1 .leaf 0. without its first position"),
         "count + 1": (lambda labels: count(labels) + 1, 4, "it has followed a line a.count . b of the non-negative entries of argument 1"),
         "1 / (2 count)": (lambda labels: 0.5 / count(labels), 4, "its inverse has followed a line a.count . b of"),
+        "a count packed with a constant": (lambda labels: torch.tensor([0.5, count(labels)]), 2,
+                                           r"Argument 2 \(leaf 0, entry 1\) = .* it has equalled the non-negative entries"),
     }
     for name, (form, refused_at, match) in forms.items():
         step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
+import numpy as np
 import optree
 import torch
 import torch.nn as nn
@@ -909,8 +910,9 @@ class DPStep:
 
 
 class _ScalarWatch:
-    """Refuses an unbatched number (a Python or NumPy number, or a one-element tensor, in an
-    argument outside ``batch_argnums``) that tracks a count of the batch. The counts: the batch
+    """Refuses an unbatched number (a Python or NumPy number, or an entry of a tensor or array
+    of at most ``_SMALL_TENSOR`` entries, in an argument outside ``batch_argnums``) that tracks
+    a count of the batch. The counts: the batch
     size and the statistics of each batched tensor that
     :func:`~opake_compile._statistics.batch_statistics` reads for the Opacus layer (its number of
     entries, its non-zero or non-negative entries, its sum), also over a 2-dim tensor without its
@@ -938,7 +940,7 @@ class _ScalarWatch:
     def __init__(self) -> None:
         # Per number (argument, leaf), per count and form ("x" or "1/x"): the distinct
         # (count, value) pairs seen while every call kept to one line through them.
-        self._last: dict[tuple[int, int], dict[tuple, list[tuple[float, float]]]] = {}
+        self._last: dict[tuple[int, ...], dict[tuple, list[tuple[float, float]]]] = {}
 
     def check(self, args: tuple, batched: tuple[int, ...]) -> None:
         scalars = _scalar_leaves(args, batched)
@@ -981,7 +983,8 @@ class _ScalarWatch:
                     how = (("its inverse has" if form == "1/x" else "it has") + " equalled"
                            if equal else ("its inverse has" if form == "1/x" else "it has") + " followed a line a*count + b of")
                     raise ConfigurationError(
-                        f"Argument {path[0]} (leaf {path[1]}) = {v!r}: {how} {what} at every call, while that "
+                        f"Argument {path[0]} (leaf {path[1]}{'' if len(path) == 2 else f', entry {path[2]}'}) = {v!r}: "
+                        f"{how} {what} at every call, while that "
                         f"count took the values {sorted(cc for cc, _ in points)}: a number computed from the batch "
                         "and passed beside it (a token count, the batch size) lets one example rescale every "
                         "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
@@ -1014,8 +1017,15 @@ def _on_one_line(points: list[tuple[float, float]], c: float, y: float) -> list[
 _KINDS = {"numel": "number of entries", "sum": "sum", "nonzero": "non-zero entries", "nonneg": "non-negative entries"}
 
 
-def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, int], float]]:
-    """``((argument, leaf), value)`` of every finite non-zero number outside the batched arguments."""
+#: Unbatched tensors of up to this many entries have each entry compared with the counts (a
+#: count packed with other numbers, ``torch.tensor([n_tokens, step])``: a review's miss).
+_SMALL_TENSOR = 16
+
+
+def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, ...], float]]:
+    """``((argument, leaf), value)`` of every finite non-zero number outside the batched
+    arguments, and ``((argument, leaf, entry), value)`` of each entry of a small tensor or
+    array (up to ``_SMALL_TENSOR`` entries)."""
     out = []
     for i, a in enumerate(args):
         if i in batched:
@@ -1023,16 +1033,21 @@ def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[in
         for j, leaf in enumerate(optree.tree_leaves(a, none_is_leaf=True)):
             try:
                 if is_real_number(leaf):
-                    v = float(leaf)
+                    values = [float(leaf)]
                 elif (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_nested
-                      and leaf.numel() == 1 and not leaf.is_complex() and leaf.dtype != torch.bool and not leaf.is_meta):
-                    v = float(leaf.detach().reshape(()).item())
+                      and 1 <= leaf.numel() <= _SMALL_TENSOR and not leaf.is_complex() and leaf.dtype != torch.bool
+                      and not leaf.is_meta):
+                    values = [float(x) for x in leaf.detach().reshape(-1).tolist()]
+                elif (isinstance(leaf, np.ndarray) and 1 <= leaf.size <= _SMALL_TENSOR
+                      and (np.issubdtype(leaf.dtype, np.integer) or np.issubdtype(leaf.dtype, np.floating))):
+                    values = [float(x) for x in leaf.reshape(-1).tolist()]
                 else:
                     continue
             except (OverflowError, RuntimeError, TypeError, ValueError):
                 continue  # (not a number this check can compare; the call decides what it is)
-            if math.isfinite(v) and v != 0:
-                out.append(((i, j), v))
+            for k, v in enumerate(values):
+                if math.isfinite(v) and v != 0:
+                    out.append(((i, j) if len(values) == 1 else (i, j, k), v))
     return out
 
 
