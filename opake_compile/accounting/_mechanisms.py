@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from dp_accounting import dp_event
 
@@ -47,6 +48,14 @@ def _checked_sigma(value: float, name: str) -> float:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return check_noise_multiplier(value, name=name)
+
+
+def _checked_sampling(sampled: Any) -> float:
+    """The sample rate of a Poisson-sampled process built directly, after checking it and its
+    mechanism."""
+    if not isinstance(sampled.mechanism, PrivacyProcess):
+        raise InputTypeError(f"Expected mechanism to be a privacy process, got {type(sampled.mechanism).__name__}.")
+    return check_probability(sampled.sample_rate, name="sample_rate")
 
 
 def _freeze(obj: object, **values: object) -> None:
@@ -131,11 +140,9 @@ class PoissonSampled(PrivacyProcess):
     dataset_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mechanism, PrivacyProcess):
-            raise InputTypeError(f"Expected mechanism to be a privacy process, got {type(self.mechanism).__name__}.")
         _freeze(
             self,
-            sample_rate=check_probability(self.sample_rate, name="sample_rate"),
+            sample_rate=_checked_sampling(self),
             truncated_batch_size=None if self.truncated_batch_size is None
             else check_positive_int(self.truncated_batch_size, name="truncated_batch_size"),
             dataset_size=None if self.dataset_size is None else check_positive_int(self.dataset_size, name="dataset_size"),
@@ -224,13 +231,7 @@ class ParallelPoissonSampled(PrivacyProcess):
     num_shards: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mechanism, PrivacyProcess):
-            raise InputTypeError(f"Expected mechanism to be a privacy process, got {type(self.mechanism).__name__}.")
-        _freeze(
-            self,
-            sample_rate=check_probability(self.sample_rate, name="sample_rate"),
-            num_shards=check_positive_int(self.num_shards, name="num_shards"),
-        )
+        _freeze(self, sample_rate=_checked_sampling(self), num_shards=check_positive_int(self.num_shards, name="num_shards"))
 
     def to_dp_event(self) -> dp_event.DpEvent:
         # Parallel composition: one record is in exactly one shard, so only that shard's
