@@ -177,7 +177,11 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
             "each draw is one logical batch; take one optimizer step per draw."
         )
     # Several partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS): a float32 sum
-    # of many examples rounds on a grid the sensitivity slack cannot absorb.
+    # of many examples rounds on a grid the sensitivity slack cannot absorb. Their own rounding
+    # still adds up over a large logical batch (numerics.MAX_FLOAT32_LOGICAL_ROWS).
+    _num.check_float32_rows(sum(p.num_examples for p in parts),
+                            {t.dtype for p in parts for t in p.grads.values()},
+                            "accumulate")
     grads = {k: functools.reduce(_num.add_partial, [p.grads[k] for p in parts]) for k in first.grads}
     out = ClippedPytree(
         grads=grads,

@@ -446,6 +446,15 @@ def test_accumulate_refusals():
                           num_examples=0, parameters={"v": param})
     with pytest.raises(ConfigurationError):
         accumulate([a, other])
+    # More than 2^16 examples from float32 parts: their rounding adds up past the slack as the
+    # rows shift between parts on a removal (numerics.MAX_FLOAT32_LOGICAL_ROWS; review).
+    big = [ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(0),
+                         num_examples=40000, parameters={"w": param}) for _ in range(2)]
+    with pytest.raises(ConfigurationError, match="80000 examples in one logical batch"):
+        accumulate(big)
+    wide = [ClippedPytree(grads={"w": torch.zeros(3, dtype=torch.float64)}, clipping_norm=1.0,
+                          per_example_norms=torch.zeros(0), num_examples=40000, parameters={"w": param}) for _ in range(2)]
+    assert accumulate(wide).num_examples == 80000  # float64 parts are not limited
 
 
 def test_passing_the_step_result_instead_of_its_clipped_sum_gets_a_hint():

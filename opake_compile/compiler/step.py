@@ -762,6 +762,8 @@ class DPStep:
     ) -> DPStepResult:
         first = graphs[chunks[0][1]]
         feed = first.feed  # parameter partition and argument layout: the same in every graph
+        if n > _num.MAX_FLOAT32_SUM_ROWS:  # several chunks: their float32 sums' rounding adds up
+            _num.check_float32_rows(n, [params[k].dtype for k in feed.trainable], "compile_dp")
         state = [params[k].detach() for k in feed.trainable]
         for is_param, name in feed.others:
             state.append((params if is_param else buffers)[name].detach())
@@ -1659,7 +1661,9 @@ def compile_dp(
             Either way a graph holds at most 4096 rows
             (``numerics.MAX_FLOAT32_SUM_ROWS``: a float32 sum of more examples rounds on a grid
             the sensitivity slack cannot absorb); the sums of several chunks are added in
-            float64, so ``clipped.grads`` is float64 for a batch that ran as several chunks.
+            float64, so ``clipped.grads`` is float64 for a batch that ran as several chunks, up
+            to ``numerics.MAX_FLOAT32_LOGICAL_ROWS`` = 2^16 examples of a float32 model per call
+            (refused beyond: the chunks' rounding adds up as a removal shifts rows between them).
         max_physical_sizes: the most bucket sizes (graphs per input signature) the default
             compiles; past it, chunks run at the nearest compiled size (more padding, no
             compile). Ignored with an explicit ``physical_batch_size``.

@@ -204,12 +204,24 @@ def clip_and_sum(
 
 def _weighted_sum(per_example_tree: Any, kept: torch.Tensor, factor: torch.Tensor, acc: torch.dtype) -> Any:
     """``sum_i factor_i g_i`` per leaf in ``acc``, rows not ``kept`` selected away (never
-    multiplied by zero: a non-finite row would give NaN)."""
+    multiplied by zero: a non-finite row would give NaN). A float32 sum holds at most
+    ``numerics.MAX_FLOAT32_SUM_ROWS`` rows, as one compiled graph does; more rows are summed in
+    float64, chunk by chunk (the result is then float64): one float32 sum of 2^18 aligned rows
+    moved by 1.019 C on removing one (review), and float32 sums of 4096-row chunks added in
+    float64 still moved by 1.0010 C, every chunk's rounding changing as the rows shift."""
+    rows = _num.MAX_FLOAT32_SUM_ROWS if acc == torch.float32 else None
 
     def weighted_sum(g: torch.Tensor) -> torch.Tensor:
         shaped = kept.reshape(-1, *([1] * (g.dim() - 1)))
         selected = torch.where(shaped, g, torch.zeros_like(g))
-        return (selected.to(acc) * factor.reshape(shaped.shape)).sum(dim=0)
+        f = factor.reshape(shaped.shape)
+        if rows is None or g.shape[0] <= rows:
+            return (selected.to(acc) * f).sum(dim=0)
+        total = None
+        for i in range(0, g.shape[0], rows):
+            part = (selected[i:i + rows].to(torch.float64) * f[i:i + rows].to(torch.float64)).sum(dim=0)
+            total = part if total is None else total + part
+        return total
 
     return optree.tree_map(weighted_sum, per_example_tree)
 

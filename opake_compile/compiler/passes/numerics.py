@@ -143,7 +143,9 @@ a sum of magnitude m C rounds on a grid of ~2^-24 m C, past the slack once m nea
 aligned examples (2^18 moved it by 1.0055 C). So one compiled graph sums at most
 :data:`MAX_FLOAT32_SUM_ROWS` rows (larger physical batches run as chunks of that size), and the
 chunks of one logical batch, :func:`~opake_compile.optim.accumulate` and
-:func:`~opake_compile.distributed.sum_gradients` add their partial sums in float64; the noise
+:func:`~opake_compile.distributed.sum_gradients` add their partial sums in float64, a logical
+batch on one rank holding at most :data:`MAX_FLOAT32_LOGICAL_ROWS` examples of float32 partial
+sums (their rounding still adds up as the rows shift between them on a removal); the noise
 of :class:`~opake_compile.optim.DPOptimizer` is added in the sum's dtype, and only the final
 ``.grad`` is cast to the parameter dtype, after the noise.
 """
@@ -153,6 +155,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,6 +170,8 @@ __all__ = [
     "NORM_DTYPE",
     "KAPPA",
     "MAX_FLOAT32_SUM_ROWS",
+    "MAX_FLOAT32_LOGICAL_ROWS",
+    "check_float32_rows",
     "RHO",
     "HALF_SUBNORMAL_LOG2",
     "UNDERFLOW_SHARE",
@@ -312,8 +317,32 @@ def clip_scale(sum_dtype: torch.dtype) -> float:
 #: below 2^13 aligned examples (measured: 2^16 aligned examples in chunks of 2^14 moved the sum
 #: by 1.00005 C, 2^18 by 1.0055 C). Graphs hold at most this many rows (2^-12 C of grid, a
 #: quarter of the slack), and the sums of several graphs, physical batches or ranks are added
-#: in float64 (:func:`add_partial`), so a logical batch of any size keeps the bound.
+#: in float64 (:func:`add_partial`), up to :data:`MAX_FLOAT32_LOGICAL_ROWS` in one logical batch.
 MAX_FLOAT32_SUM_ROWS = 4096
+
+#: Most examples one logical batch (on one rank) may sum from float32 partial sums. Adding the
+#: partial sums in float64 does not remove their own rounding, and removing one example shifts
+#: the rows after it into other chunks (or accumulated parts), so every later partial sum rounds
+#: differently: about ``2^-24 sqrt(rows r) C`` in all for chunks of ``r`` rows (review: 2^18
+#: aligned rows in 64 chunks of 4096 moved the sum by 1.00017 C, past the slack; 2^16 rows by
+#: 0.99933 C, 2^14 by 0.99953 C). Beyond this many the step and ``accumulate`` refuse
+#: (:func:`check_float32_rows`); ranks sum their own rows, so a data-parallel run counts each
+#: rank's examples alone. The eager reference sums more than ``MAX_FLOAT32_SUM_ROWS`` rows in
+#: float64 and has no such limit.
+MAX_FLOAT32_LOGICAL_ROWS = 2**16
+
+
+def check_float32_rows(rows: int, dtypes: Any, where: str) -> None:
+    """Refuse a logical batch of more than :data:`MAX_FLOAT32_LOGICAL_ROWS` examples summed from
+    float32 partial sums (``dtypes``: the sums' dtypes; float64 sums are not limited)."""
+    if rows > MAX_FLOAT32_LOGICAL_ROWS and any(d != torch.float64 for d in dtypes):
+        raise ConfigurationError(
+            f"{where}: {rows} examples in one logical batch, summed from float32 partial sums, exceed "
+            f"{MAX_FLOAT32_LOGICAL_ROWS}: removing one example shifts the rows after it into other partial "
+            "sums, whose float32 rounding then adds up past the clipping norm's slack (2^18 rows moved the "
+            "sum by 1.00017 C). Spread the batch over more ranks (each rank counts its own examples), "
+            "lower the expected batch size, or train a float64 model. Nothing was computed or changed."
+        )
 
 
 def add_partial(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
