@@ -547,7 +547,8 @@ def _check_step_agreement(
     refuses it, before anything changes.
 
     Compared across ranks: the noise key (:func:`check_same_key`), the noise multiplier, the
-    sampler's ``sample_rate`` and ``dataset_size``, the optimizer's step and draw counts and
+    sampler's ``sample_rate`` and ``dataset_size``, the accountant and the budget, the
+    optimizer's step and draw counts and
     the draw named; the samplers' ranks must be ``0 .. W-1``,
     each once (two ranks sampling one shard add its examples twice: sensitivity 2C). The
     global sum's ``num_examples`` may not exceed the ranks' local draws added up (a shard
@@ -570,6 +571,11 @@ def _check_step_agreement(
         "draws_charged": optimizer._draws_charged,
         "draw": None if named is None else (named.epoch, named.step, named.seq),
         "correlated_noise": None if optimizer._plan is None else optimizer._plan.kind,
+        # The budget check runs on each rank after this one: ranks on different budgets or
+        # accountants refused and stepped apart (review: one rank refused at its budget while
+        # the other stepped, and the replicas held different models).
+        "accountant": repr(optimizer.accountant),
+        "budget": repr(optimizer.budget),
         "sampler_rank": getattr(optimizer.sampler, "rank", None),
         "draw_size": draw_size,
         "failure": None if failure is None else f"{type(failure).__name__}: {failure}",
@@ -584,7 +590,8 @@ def _check_step_agreement(
             "the same key (distributed.broadcast_key) so that the noise is added once."
         )
     # (Not the draws handed out: a DataLoader's workers prefetch a rank-dependent number.)
-    for field in ("noise_multiplier", "sample_rate", "dataset_size", "correlated_noise", "steps", "draws_charged", "draw"):
+    for field in ("noise_multiplier", "sample_rate", "dataset_size", "correlated_noise", "accountant", "budget",
+                  "steps", "draws_charged", "draw"):
         values = [g[field] for g in gathered]
         odd = [r for r, v in enumerate(values) if not _same(v, values[0])]
         if odd:
@@ -670,8 +677,8 @@ def sync(obj: Any, *, src: int = 0) -> Any:
     dropout key. Stateful objects (modules, optimizers, ``DPOptimizer``, samplers, steps) are
     updated in place; value types (keys, clip and noise states) come back in the result.
 
-    Typical use: after restoring a checkpoint on every rank, or to make sure an adaptive
-    clipping state (whose norm update draws noise) is the same on every rank.
+    Typical use: after restoring a checkpoint on every rank. (Adaptive clipping is refused in a
+    process group of several ranks: each rank's norm update would read its own count.)
 
     Every rank must call it with a tree of the same structure. It is collective: one gather of
     the metadata, one broadcast per dtype, one gather of the validation result.

@@ -40,6 +40,7 @@ from opake_compile.dpsgd import ClippedPytree  # noqa: E402
 from opake_compile.dpsgd.noise import add_gaussian_noise  # noqa: E402
 from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError  # noqa: E402
 from opake_compile.optim import DPOptimizer  # noqa: E402
+from opake_compile import accounting as opake_accounting  # noqa: E402
 
 WORLD = 2
 N, B, STEPS = 32, 8, 3  # fixed global batches of B = q N examples: steps t use rows [B t, B t + B)
@@ -243,11 +244,11 @@ def _group_hostile_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict
     step = compile_dp(case.loss_fn, model=case.model, clipping_norm=1.0, backend=None, physical_batch_size=8)
     shard = list(range(rank, N, WORLD))
 
-    def attempt(name: str, sampler_kw: dict, rows, sigma: float = 1.0, twice: bool = False) -> None:
+    def attempt(name: str, sampler_kw: dict, rows, sigma: float = 1.0, twice: bool = False, **opt_kw) -> None:
         kw = {"rank": None, "q": Q} | sampler_kw
         sampler = D.DistributedPoissonSampler(N, kw["q"], key=oprandom.key(2), rank=kw["rank"])
         opt = DPOptimizer(torch.optim.SGD(case.model.parameters(), lr=0.1), noise_multiplier=sigma,
-                          sampler=sampler, key=oprandom.key(8))
+                          sampler=sampler, key=oprandom.key(8), **opt_kw)
         local = next(iter(sampler))
         picked = [shard[p] for p in local] if rows is None else rows
         before = (_params(case.model), opt.steps, opt.epsilon(1e-5))
@@ -268,6 +269,22 @@ def _group_hostile_scenario(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict
     attempt("sample_rates", {"q": Q * (1 + 3 * rank)}, None)
     attempt("noise_multipliers", {}, None, sigma=1.0 / (1 + rank))
     attempt("whole_shard", {}, shard)  # every example of the shard, stepped on as one draw
+    # Ranks on different budgets or accountants: one refused at its budget while the other
+    # stepped (review); now the group refuses before either checks its budget.
+    attempt("budgets", {}, None, budget=opake_accounting.epsilon_budget(1.0 + 9.0 * rank, delta=1e-5))
+    attempt("accountants", {}, None, accountant=("pld", "rdp")[rank])
+    # Adaptive clipping: each rank's next norm would follow its own count with the shared
+    # count noise, and the ranks' norms would give their counts' difference exactly (review).
+    from opake_compile.dpsgd.clipping import adaptive_clipped_grad
+
+    grad_fn, state = adaptive_clipped_grad(lambda p, xb, yb: (xb @ p["w"]).pow(2).mean(), 0,
+                                           batch_argnums=(1, 2), initial_clipping_norm=1.0, key=oprandom.key(5),
+                                           expected_batch_size=4.0, count_noise_multiplier=5.0)
+    try:
+        grad_fn({"w": torch.zeros(x.shape[1], dtype=x.dtype)}, x[shard[:4]], y[shard[:4]], state=state)
+        out["adaptive"] = "accepted"
+    except ConfigurationError as err:
+        out["adaptive"] = str(err)
     return out
 
 
@@ -529,6 +546,9 @@ def test_group_refuses_steps_that_release_more_than_they_charge(runs):
         "sample_rates": "disagree on sample_rate",
         "noise_multipliers": "disagree on noise_multiplier",
         "whole_shard": "the ranks' draws of this step hold",
+        "budgets": "disagree on budget",
+        "accountants": "disagree on accountant",
+        "adaptive": "adaptive clipping across ranks is not supported",
     }
     for res in runs:
         got = res["group_hostile"]

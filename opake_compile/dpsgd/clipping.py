@@ -202,6 +202,22 @@ def clip_and_sum(
     return _weighted_sum(per_example_tree, kept, factor, acc), norms64.to(acc), kept
 
 
+def _refuse_across_ranks() -> None:
+    """Adaptive clipping in a process group of several ranks is refused: each rank counts its
+    own examples below the norm and adds the same count noise (one key on every rank), so the
+    ranks' next norms differ by their local counts' difference, without noise (review: the
+    difference read back exactly, 1.000000, from two ranks' norms); and a local count over the
+    global expected batch size tracks the wrong quantile."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigurationError(
+            "adaptive clipping across ranks is not supported: each rank's next clipping norm would come "
+            "from its own count of examples below the norm with the same count noise, so the ranks' norms "
+            "would reveal their counts' difference without noise. Use a fixed clipping_norm in a "
+            "data-parallel run. Nothing was computed or changed."
+        )
+
+
 def _weighted_sum(per_example_tree: Any, kept: torch.Tensor, factor: torch.Tensor, acc: torch.dtype) -> Any:
     """``sum_i factor_i g_i`` per leaf in ``acc``, rows not ``kept`` selected away (never
     multiplied by zero: a non-finite row would give NaN). A float32 sum holds at most
@@ -500,7 +516,8 @@ def adaptive_clipped_grad(
     Raises:
         ConfigurationError: (from ``grad_fn``) a state whose result has not been released; a
             state already used for a call whose result was released; a state of a key already
-            used with another clipping norm.
+            used with another clipping norm; a process group of more than one rank (each rank
+            would count its own examples: see :func:`_refuse_across_ranks`).
     """
     from opake_compile import random as _random
 
@@ -528,6 +545,7 @@ def adaptive_clipped_grad(
 
     def grad_fn(*args: Any, state: AdaptiveClipState) -> tuple[ClippedPytree, AdaptiveClipState]:
         state = _checked_state(state)
+        _refuse_across_ranks()
         cn = state.clipping_norm
         refusal = book.refusal(state.key, cn)
         if refusal == "used":
