@@ -339,6 +339,14 @@ class DPOptimizer:
                     else ""
                 )
             )
+        if getattr(sampler, "_opake_charged", False):
+            raise ConfigurationError(
+                "This sampler's draws were already charged by another DPOptimizer (alive or not): a new "
+                "optimizer would count them from zero, so a position handed out again (batch_at) would be "
+                "released a second time and its epsilon would leave out the earlier steps (review: a "
+                "notebook cell re-run). Keep stepping the first optimizer, build a new sampler with a fresh "
+                "key for a new run, or restore both from a checkpoint into new objects."
+            )
         self._sampler = sampler
         self._sample_rate = float(sampler.sample_rate)
         self._dataset_size = int(sampler.dataset_size)
@@ -732,6 +740,10 @@ class DPOptimizer:
         try:
             _CHARGERS[self.sampler] = weakref.ref(self)
         except TypeError:  # a sampler object that cannot be weakly referenced: not tracked
+            pass
+        try:  # for good: a later optimizer on this sampler is refused (at its construction)
+            self.sampler._opake_charged = True
+        except AttributeError:
             pass
 
     @property

@@ -767,8 +767,8 @@ def test_the_noise_bound_reads_the_gradient_after_division_in_half_precision():
     """float16 weights: sigma * C = 1000 on the sum is 1 on the gradient at q N = 1000 (fine);
     sigma * C = 1e9 is 1e6 there, past float16's 65504 (refused, nothing changed)."""
     w = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
-    sampler = PoissonSampler(2000, 0.5, key=opake.random.key(1))
     for sigma, ok in ((10.0, True), (1e7, False)):
+        sampler = PoissonSampler(2000, 0.5, key=opake.random.key(1))  # (one optimizer per sampler)
         opt = DPOptimizer(torch.optim.SGD([w], lr=0.0), noise_multiplier=sigma, sampler=sampler, key=opake.random.key(int(sigma)))
         b = next(iter(sampler))
         clipped = ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=100.0, per_example_norms=torch.zeros(len(b)),
@@ -836,3 +836,26 @@ def test_nested_sums_of_an_eager_result_are_sealed_and_released_once():
         noise_fn(clean, ns)
     with pytest.raises(ConfigurationError, match="below the 1.0"):
         dataclasses.replace(clean, clipping_norm=0.01)
+
+
+def test_a_second_optimizer_on_a_charged_sampler_is_refused():
+    """A notebook cell re-run built a second DPOptimizer on a sampler the first had charged; once
+    the first was gone, batch_at handed a released position out again, the second released it
+    under fresh noise and reported the epsilon of its own steps only (review). Refused at
+    construction, whether the first optimizer is alive or not."""
+    import gc
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    sampler = PoissonSampler(100, 0.1, key=opake.random.key(1))
+    first = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(2))
+    b = next(iter(sampler))
+    first.step(ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(len(b)),
+                             num_examples=len(b), parameters={"w": w}), draw=b)
+    for alive in (True, False):
+        if not alive:
+            del first
+            gc.collect()
+        with pytest.raises(ConfigurationError, match="already charged by another DPOptimizer"):
+            DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(3))
+    fresh = PoissonSampler(100, 0.1, key=opake.random.key(4))  # a new run: a new sampler
+    assert DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=fresh, key=opake.random.key(5)).steps == 0
