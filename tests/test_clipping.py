@@ -773,3 +773,17 @@ def test_eager_sums_of_many_examples_keep_the_bound():
         for drop in (0, b // 3, b - 1):
             reduced, _ = grad_fn(p, torch.cat([x[:drop], x[drop + 1:]]))
             assert (full.grads.double() - reduced.grads.double()).norm() <= 1.0
+
+
+def test_clip_pytree_clips_a_tree_whose_float32_squares_underflow():
+    """global_norm squares float32 entries in float32: 10^6 entries of 1e-24 have norm 0 there,
+    and the tree came back unclipped at 10^4 C for C = 1e-25 (review)."""
+    from opake_compile.dpsgd.clipping import clip_pytree
+
+    for value, c in ((1e-24, 1e-25), (1e-23, 1e-22), (3e-20, 1e-19)):
+        tree = {"w": torch.full((1000, 1000), value), "b": torch.full((3,), value)}
+        clipped, _ = clip_pytree(tree, c)
+        out = math.sqrt(sum(float(x.double().square().sum()) for x in clipped.values()))
+        assert out <= c * (1 + 1e-6)
+    small = {"w": torch.tensor([3e-3, 4e-3])}  # within C: unchanged
+    assert torch.equal(clip_pytree(small, 5e-3 * (1 + 1e-7))[0]["w"], small["w"])
