@@ -96,6 +96,16 @@ def _ids(tok: Any, text: Any, *, chat: bool = False, generation_prompt: bool = F
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
+def _prepared(eval_dataset: Any, prepare: Callable[[Any], Any]) -> Any:
+    """``eval_dataset`` as given to ``evaluate``: ``None`` (the constructor's), a dict of
+    datasets (each prepared), or rows (prepared)."""
+    if eval_dataset is None:
+        return None
+    if isinstance(eval_dataset, Mapping):
+        return {name: prepare(rows) for name, rows in eval_dataset.items()}
+    return prepare(eval_dataset)
+
+
 def _eos(tok: Any, eos_token: str | None) -> list[int]:
     if eos_token is not None:
         return [tok.convert_tokens_to_ids(eos_token)]
@@ -148,6 +158,12 @@ class SFTTrainer(DPTrainer):
 
     def _tokenize(self, dataset: Any) -> list[dict[str, list[int]]]:
         return [self._tokenize_row(row) for row in dataset]
+
+    def evaluate(self, eval_dataset: Any = None, *pargs: Any, **kwargs: Any) -> Any:
+        """``DPTrainer.evaluate``; rows passed here are tokenized as the constructor's
+        ``eval_dataset`` is (they reached transformers as text, which failed: a newcomer's
+        review). A dict of datasets is tokenized per entry. The metrics are not privatised."""
+        return super().evaluate(_prepared(eval_dataset, self._tokenize), *pargs, **kwargs)
 
     def _tokenize_row(self, row: Mapping[str, Any]) -> dict[str, list[int]]:
         args, tok = self._sft_args, self._tok
@@ -273,6 +289,24 @@ class DPOTrainer(DPTrainer):
         evals = None if eval_dataset is None else self._prepare(eval_dataset, policy, ref_model)
         self.ref_model = ref_model
         super().__init__(policy, args, train_dataset=train, eval_dataset=evals, processing_class=processing_class, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, *pargs: Any, **kwargs: Any) -> Any:
+        """``DPTrainer.evaluate``; rows passed here are prepared as the constructor's
+        ``eval_dataset`` is, with ``ref_model``'s log-probabilities. The metrics are not
+        privatised.
+
+        Raises:
+            ConfigurationError: rows passed here without a ``ref_model``: the reference is then
+                the initial policy, which training has changed (pass them to the constructor).
+        """
+        if eval_dataset is not None and self.ref_model is None:
+            raise ConfigurationError(
+                "DPOTrainer.evaluate(eval_dataset=...) without a ref_model: the reference log-probabilities "
+                "come from the initial policy, which training has changed. Pass eval_dataset to the "
+                "constructor, or build the trainer with a ref_model."
+            )
+        prepare = lambda rows: self._prepare(rows, self.model, self.ref_model)  # noqa: E731
+        return super().evaluate(_prepared(eval_dataset, prepare), *pargs, **kwargs)
 
     # ------------------------------------------------------------------ data
     def _tokenize_row(self, row: Mapping[str, Any]) -> dict[str, list[int]]:
