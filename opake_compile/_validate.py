@@ -78,9 +78,23 @@ def check_clipping_norm(value: Any, *, name: str = "clipping_norm") -> float:
             f"{name}=inf: per-example gradients are not clipped, so the sum has unbounded "
             "sensitivity and no noise level makes it differentially private.",
             NotPrivateWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return c
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called here that names the first caller outside
+    this package (a warning raised three calls down, from ``compile_dp``, named the library's
+    own file: a newcomer's review)."""
+    import os
+    import sys
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1  # the function calling this one (which calls warn)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_noise_multiplier(value: Any, *, name: str = "noise_multiplier") -> float:
@@ -94,7 +108,7 @@ def check_noise_multiplier(value: Any, *, name: str = "noise_multiplier") -> flo
         warnings.warn(
             f"{name}=0: no noise is added, so training is not differentially private.",
             NotPrivateWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return s
 

@@ -505,8 +505,7 @@ def broadcast_key(key: oprandom.Key, *, src: int = 0) -> oprandom.Key:
         >>> broadcast_key(k) == k  # one process
         True
     """
-    if not isinstance(key, oprandom.Key):
-        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    oprandom._check_key(key)
     if not is_distributed():
         return key
     words = torch.tensor(oprandom.key_to_state(key), dtype=torch.int64, device=_collective_device())
@@ -524,8 +523,7 @@ def check_same_key(key: oprandom.Key) -> None:
         InputTypeError: ``key`` is not a Key.
         ConfigurationError: the ranks' keys differ (names the ranks that disagree with rank 0).
     """
-    if not isinstance(key, oprandom.Key):
-        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    oprandom._check_key(key)
     if not is_distributed():
         return
     words = torch.tensor(oprandom.key_to_state(key), dtype=torch.int64, device=_collective_device())

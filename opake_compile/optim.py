@@ -355,8 +355,13 @@ class DPOptimizer:
             raise ConfigurationError(
                 f"Expected batch size q*N = {self.sample_rate}*{self.dataset_size} must be > 0."
             )
-        if not isinstance(key, _random.Key):
-            raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+        _random._check_key(key)
+        if key is getattr(sampler, "_key", None):
+            raise ConfigurationError(
+                "The optimizer's noise key is the sampler's key object: give each its own key, e.g. "
+                "sampler_key, noise_key = opake_compile.random.split(key) (a key is used for one purpose; "
+                "two optimizers sharing one key object are refused the same way)."
+            )
         self._key = key
         if accountant is None or isinstance(accountant, str):
             accountant = _acc.Accountant(accountant or "pld")

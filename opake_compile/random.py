@@ -119,9 +119,11 @@ def _check_words(words: Any, *, name: str) -> tuple[int, int, int, int]:
 
 def _check_key(k: Any, *, name: str = "key") -> Key:
     if not isinstance(k, Key):
+        hint = (f": pass opake_compile.random.key({k!r})" if isinstance(k, numbers.Integral) and not isinstance(k, bool)
+                else "")
         raise InputTypeError(
             f"Expected {name} to be an opake_compile.random.Key (from key(seed), split or "
-            f"fold_in), got {type(k).__name__}."
+            f"fold_in), got {type(k).__name__}{hint}."
         )
     return k
 

@@ -190,6 +190,10 @@ class PoissonSampler(Sampler[list[int]]):
         steps: int | None = None,
     ) -> None:
         super().__init__()
+        if hasattr(dataset_size, "__len__") and not isinstance(dataset_size, (str, bytes)):
+            raise InputTypeError(
+                f"Expected dataset_size to be an int, got {type(dataset_size).__name__}: pass len(dataset)."
+            )
         self._dataset_size = check_positive_int(dataset_size, name="dataset_size")
         self._sample_rate = check_probability(sample_rate, name="sample_rate")
         self._truncated_batch_size = (
@@ -197,11 +201,7 @@ class PoissonSampler(Sampler[list[int]]):
             if truncated_batch_size is None
             else check_positive_int(truncated_batch_size, name="truncated_batch_size")
         )
-        if not isinstance(key, oprandom.Key):
-            raise InputTypeError(
-                f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}."
-            )
-        self._key = key
+        self._key = oprandom._check_key(key)
         if steps is None:
             if self._sample_rate == 0.0:
                 raise ConfigurationError(

@@ -1504,3 +1504,28 @@ def test_a_logical_batch_beyond_the_float32_partial_sums_limit_is_refused():
     wide = nn.Linear(4, 1, bias=False).double()
     step64 = compile_dp(lambda m, x: m(x).sum(), model=wide, clipping_norm=1.0, backend="aot_eager", physical_batch_size=4096)
     assert step64(torch.randn(n, 4, dtype=torch.float64)).clipped.num_examples == n
+
+
+def test_a_loss_that_mixes_examples_warns_and_the_step_has_a_repr():
+    """Logits centred over the batch are a constant per example (each is traced as a batch of
+    one): nothing trained, without a word (a newcomer's review). The step warns once, naming
+    the caller's line; and repr(step) says what it is (the README promised it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def centred(m, x, y):
+        out = m(x)
+        return F.cross_entropy(out - out.mean(0, keepdim=True), y)
+
+    step = compile_dp(centred, model=model, clipping_norm=1.0, backend="aot_eager")
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    with pytest.warns(UserWarning, match="below 1e-12") as record:
+        step(x, y)
+    assert record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(x, y)  # once
+        plain = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend="aot_eager")
+        plain(x, y)  # an ordinary loss does not warn
+    assert repr(plain).startswith("DPStep(loss_fn=") and "physical_batch_size=" in repr(plain) and "calls=1" in repr(plain)

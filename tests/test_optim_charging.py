@@ -859,3 +859,16 @@ def test_a_second_optimizer_on_a_charged_sampler_is_refused():
             DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(3))
     fresh = PoissonSampler(100, 0.1, key=opake.random.key(4))  # a new run: a new sampler
     assert DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=fresh, key=opake.random.key(5)).steps == 0
+
+
+def test_key_mistakes_name_the_fix():
+    """One key object for the sampler and the noise, and an int for a key (a newcomer's review)."""
+    w = torch.nn.Parameter(torch.zeros(3))
+    k = opake.random.key(1)
+    sampler = PoissonSampler(100, 0.1, key=k)
+    with pytest.raises(ConfigurationError, match="noise key is the sampler's key object"):
+        DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=k)
+    with pytest.raises(InputTypeError, match=r"pass opake_compile.random.key\(0\)"):
+        DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=0)
+    with pytest.raises(InputTypeError, match=r"pass len\(dataset\)"):
+        PoissonSampler(torch.utils.data.TensorDataset(torch.zeros(10, 2)), 0.1, key=opake.random.key(2))

@@ -173,8 +173,7 @@ def coin_flip(num_canaries: int, key: _random.Key) -> CanaryRecord:
         True
     """
     m = check_positive_int(num_canaries, name="num_canaries")
-    if not isinstance(key, _random.Key):
-        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    _random._check_key(key)
     gen = _random.generator_from_key(key)
     coins = torch.randint(0, 2, (m,), generator=gen, dtype=torch.int64) == 1
     return CanaryRecord(tuple(coins.tolist()), tuple(_random.key_to_state(key)))

@@ -57,7 +57,7 @@ from torch.nn.modules import module as _torch_module
 from opake_compile import random as _random
 from opake_compile._markers import reject_dp_output
 from opake_compile._statistics import batch_statistics, is_real_number
-from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int
+from opake_compile._validate import check_batch_size, check_clipping_norm, check_positive_int, user_stacklevel
 from opake_compile.compiler.lower import CompileCounter, lower
 from opake_compile.compiler.passes import PassReport, insert_clipping, run_pipeline
 from opake_compile.compiler.passes.memory import split_grouped_weight_grads
@@ -349,6 +349,7 @@ class DPStep:
         self._programs = _Programs(_LossReader(loss_fn))  # the programs graphs were traced under (_program)
         self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
         self._scalars = _ScalarWatch()  # unbatched numbers that follow a count of the batch
+        self._warned_zero = False  # (_warn_if_every_gradient_vanishes)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
         self._num_calls = 0
@@ -486,6 +487,8 @@ class DPStep:
             # A module that writes an attribute in its forward wrote it while tracing.
             self._programs.left_by_trace(view.program, _program(view.modules, self._programs.loss))
         self._num_calls += 1
+        if self._num_calls <= 3 and not self._warned_zero:
+            self._warn_if_every_gradient_vanishes(result)
         if all(type(a) is torch.Tensor for a in args):
             self._repeat = _Repeat(
                 nargs=len(args),
@@ -502,6 +505,26 @@ class DPStep:
     def num_calls(self) -> int:
         """How many calls returned a result (empty batches included)."""
         return self._num_calls
+
+    def _warn_if_every_gradient_vanishes(self, result: DPStepResult) -> None:
+        """Warn (once, on one of the first calls) when every example's gradient norm is below
+        1e-12: the mark of a loss that mixes examples (logits centred over the batch, in-batch
+        contrastive pairs), which per example, traced as a batch of one, is a constant. It
+        trained to nothing without a word (a newcomer's review: norms at most 7.8e-22 and
+        6.1e-22); the Opacus layer refuses such losses."""
+        norms = result.clipped.per_example_norms
+        finite = norms[torch.isfinite(norms)]
+        if finite.numel() >= 2 and float(finite.max()) <= 1e-12:
+            self._warned_zero = True
+            warnings.warn(
+                f"Every example's gradient norm is below 1e-12 at this call ({finite.numel()} examples): "
+                "a loss that mixes the examples of a batch (centring or normalising over the batch, "
+                "in-batch contrastive pairs) is traced per example as a batch of one, where it is "
+                "usually a constant, so nothing trains. Write the loss so that each example's value "
+                "depends on that example alone (README: what compile_dp does not detect).",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     # ------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -549,6 +572,13 @@ class DPStep:
             raise CheckpointError(f"Invalid num_calls {calls!r} in DPStep state.")
         self._key = key
         self._num_calls = calls
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss_fn, "__qualname__", None) or type(self.loss_fn).__name__
+        return (
+            f"DPStep(loss_fn={name}, clipping_norm={self.clipping_norm}, physical_batch_size="
+            f"{self.physical_batch_size}, backend={self.backend!r}, calls={self.num_calls}, traces={self.num_traces})"
+        )
 
     def describe(self) -> str:
         """Which path each trainable parameter took, and what each pass did, as text."""

@@ -249,6 +249,5 @@ def mf_gaussian_noise(strategy: Strategy, noise_multiplier: float, key: Any) -> 
         >>> noise_fn, state = mf_gaussian_noise(s, 1.0, opake.random.key(0))
         >>> noised, state = noise_fn(clipped, state)
     """
-    if not isinstance(key, _random.Key):
-        raise InputTypeError(f"Expected key to be an opake_compile.random.Key, got {type(key).__name__}.")
+    _random._check_key(key)
     return MFGaussianNoise(strategy, noise_multiplier), MFNoiseState(key)

@@ -12,10 +12,10 @@ Fields added to :class:`transformers.TrainingArguments`, by concern:
   statistic of the private batches, and the Trainer's logs go into every checkpoint's
   ``trainer_state.json``, ``push_to_hub`` and the ``report_to`` integrations; set it to log
   ``loss`` and ``train_loss`` anyway, not privatised);
-* compute: ``max_length`` (every training sequence is padded or cut to it, so the compiled step
-  never recompiles; default: the longest training sequence, with a warning, since that length is
-  a statistic of the private data: set a public bound), ``dp_backend`` (the ``compile_dp``
-  backend).
+* compute: ``max_length`` (required: every training sequence is padded or cut to it, so the
+  compiled step never recompiles; there is no default from the data, since the longest training
+  sequence is a statistic of the private data: set a public bound), ``dp_backend`` (the
+  ``compile_dp`` backend).
 
 What is refused up front (:class:`~opake_compile.exceptions.ConfigurationError`, naming the
 alternative): ``gradient_accumulation_steps > 1`` (each optimizer step must add noise once to
@@ -169,7 +169,9 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ConfigurationError(f"target_epsilon must be > 0, got {self.target_epsilon!r}.")
         if self.target_delta is None or not (0.0 < float(self.target_delta) < 1.0):
             raise ConfigurationError(
-                f"target_delta must be in (0, 1) (and at most N^-1.1), got {self.target_delta!r}."
+                f"target_delta must be in (0, 1) (and at most N^-1.1), got {self.target_delta!r}: it is "
+                "required with a fixed noise_multiplier too, since the epsilon logged and returned is "
+                "spent at that delta."
             )
         if self.accountant not in _ACCOUNTANTS:
             raise ConfigurationError(f"accountant must be one of {_ACCOUNTANTS}, got {self.accountant!r}.")
