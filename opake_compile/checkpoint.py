@@ -35,8 +35,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -228,7 +230,7 @@ class Checkpointer:
         header = {
             "opake_compile": meta_json,
             "opake_compile.step": str(step_number),
-            "opake_compile.saved": str(max((seq for seq, _ in order), default=0) + 1),
+            "opake_compile.saved": str(int(max((seq for seq, _ in order if math.isfinite(seq)), default=0)) + 1),
             "opake_compile.sha256": _checksum(tensors, meta_json),
         }
         final = self.path(step_number)
@@ -245,17 +247,18 @@ class Checkpointer:
 
     def _save_order(self) -> list[tuple[int, int]]:
         """``(save sequence, step number)`` of every complete checkpoint, oldest save first.
-        Files written before the sequence was recorded (or without a readable header) count
-        as saved before all others, among themselves in step order."""
+        Files written before the sequence was recorded count as saved before all others, among
+        themselves in step order. A file whose header cannot be read counts as the newest, so
+        that ``restore()`` reports it instead of loading an older state without a word (review)."""
+        from safetensors import safe_open
+
         out = []
         for step in self.steps():
             try:
-                from safetensors import safe_open
-
                 with safe_open(str(self.path(step)), framework="pt") as f:
-                    seq = int((f.metadata() or {}).get("opake_compile.saved", 0))
-            except Exception:  # noqa: BLE001 - a corrupted file: load() says so when asked
-                seq = 0
+                    seq = float(int((f.metadata() or {}).get("opake_compile.saved", 0)))
+            except Exception:  # noqa: BLE001 - a damaged file: load() raises on it
+                seq = math.inf
             out.append((seq, step))
         return sorted(out)
 
@@ -346,7 +349,7 @@ class Checkpointer:
 def _value_leaves(obj: Any) -> list[Any]:
     """The leaves of ``obj`` that restoring returns as new values instead of loading in place
     (anything but a module, an optimizer, a scheduler or an object of an in-place serializer)."""
-    if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
+    if obj is None or isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)):
         return []
     ser = _ser.serializer_for(obj)
     if ser is not None:
@@ -355,6 +358,8 @@ def _value_leaves(obj: Any) -> list[Any]:
         return [v for x in obj.values() for v in _value_leaves(x)]
     if isinstance(obj, (list, tuple)):
         return [v for x in obj for v in _value_leaves(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [v for f in dataclasses.fields(obj) for v in _value_leaves(getattr(obj, f.name))]
     return [obj]
 
 

@@ -62,6 +62,14 @@ __all__ = ["DPOptimizer", "accumulate"]
 _STATE_VERSION = 1
 
 
+#: How a correlated-noise run goes on after a draw was handed out and not stepped on (a review
+#: found one peek at the sampler wedged the run for good, with no way out named).
+_MF_RECOVERY = (
+    " A draw handed out and not stepped on (a peek with next(iter(sampler)) or list(sampler)) cannot "
+    "be charged later under correlated noise: to go on, restore the run's last checkpoint "
+    "(opake_compile.Checkpointer) into a new optimizer and sampler, or start a new run."
+)
+
 #: The optimizer charging each sampler's draws (one per sampler: two optimizers stepping on one
 #: draw release it twice, each charging it once).
 _CHARGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -179,8 +187,10 @@ def accumulate(parts: Sequence[ClippedPytree]) -> ClippedPytree:
     # Several partial sums add up in float64 (numerics.MAX_FLOAT32_SUM_ROWS): a float32 sum
     # of many examples rounds on a grid the sensitivity slack cannot absorb. Their own rounding
     # still adds up over a large logical batch (numerics.MAX_FLOAT32_LOGICAL_ROWS).
+    # (By the parameters' dtypes where known: a compiled call of several float32 chunks returns
+    # float64 sums, whose chunks rounded in float32 all the same; review.)
     _num.check_float32_rows(sum(p.num_examples for p in parts),
-                            {t.dtype for p in parts for t in p.grads.values()},
+                            {t.dtype for p in parts for t in (p.parameters or p.grads).values()},
                             "accumulate")
     grads = {k: functools.reduce(_num.add_partial, [p.grads[k] for p in parts]) for k in first.grads}
     out = ClippedPytree(
@@ -236,6 +246,13 @@ def _check_dense_gradients(optimizer: torch.optim.Optimizer) -> None:
 
 class DPOptimizer:
     """Wraps a ``torch.optim`` optimizer into a DP-SGD / DP-Adam / DP-anything step.
+
+    Each step adds Gaussian noise of std sigma C to the clipped sum of one Poisson draw,
+    divides by the expected batch size q N, and steps the wrapped optimizer on that gradient:
+    DP-SGD (Abadi et al. 2016, "Deep learning with differential privacy"), with the optimizer's
+    own update applied to the privatised gradient (post-processing); the accountant charges
+    one Poisson-subsampled Gaussian per step (or the correlated-noise mechanism of
+    :mod:`opake_compile.dpftrl`, Kairouz et al. 2021 / Choquette-Choo et al. 2023).
 
     Args:
         optimizer: any ``torch.optim.Optimizer`` over (at least) the trainable parameters.
@@ -339,7 +356,7 @@ class DPOptimizer:
                     else ""
                 )
             )
-        if getattr(sampler, "_opake_charged", False):
+        if getattr(sampler, "_opake_charged_by", None) is not None:
             raise ConfigurationError(
                 "This sampler's draws were already charged by another DPOptimizer (alive or not): a new "
                 "optimizer would count them from zero, so a position handed out again (batch_at) would be "
@@ -348,6 +365,7 @@ class DPOptimizer:
                 "key for a new run, or restore both from a checkpoint into new objects."
             )
         self._sampler = sampler
+        self._charge_token = object()  # what the sampler records of the optimizer charging it
         self._sample_rate = float(sampler.sample_rate)
         self._dataset_size = int(sampler.dataset_size)
         self._truncated_batch_size = sampler.truncated_batch_size
@@ -581,7 +599,8 @@ class DPOptimizer:
             )
         _check_release(clipped)
         charger = _CHARGERS.get(self.sampler)
-        if charger is not None and charger() not in (None, self):
+        first = getattr(self.sampler, "_opake_charged_by", None)
+        if (charger is not None and charger() not in (None, self)) or first not in (None, self._charge_token):
             raise ConfigurationError(
                 "Another DPOptimizer already charges this sampler's draws: two optimizers stepping on "
                 "one draw release it twice while each charges it once. Use one DPOptimizer per sampler "
@@ -707,6 +726,7 @@ class DPOptimizer:
                 raise ConfigurationError(
                     f"Draw (epoch {named.epoch}, step {named.step}) is step {position} of the sampler's stream, "
                     f"but the correlated noise is at step {self._steps}: take the draws in order, one step each."
+                    + _MF_RECOVERY
                 )
         if clipped.releases:
             raise ConfigurationError(
@@ -717,7 +737,7 @@ class DPOptimizer:
             raise ConfigurationError(
                 f"This step would charge {charge} draws (draws handed out and skipped): correlated noise "
                 "needs exactly one step per draw, in order (the participation pattern it is accounted "
-                "for would break). Step on every draw."
+                "for would break). Step on every draw." + _MF_RECOVERY
             )
         if self.budget is not None and self._steps + 1 > self.max_steps():
             raise PrivacyBudgetExhaustedError(
@@ -746,10 +766,11 @@ class DPOptimizer:
             _CHARGERS[self.sampler] = weakref.ref(self)
         except TypeError:  # a sampler object that cannot be weakly referenced: not tracked
             pass
-        try:  # for good: a later optimizer on this sampler is refused (at its construction)
-            self.sampler._opake_charged = True
-        except AttributeError:
-            pass
+        if getattr(self.sampler, "_opake_charged_by", None) is None:
+            try:  # for good (not a weak reference): any other optimizer on this sampler is refused
+                self.sampler._opake_charged_by = self._charge_token
+            except AttributeError:
+                pass
 
     @property
     def noise_state(self) -> Any:

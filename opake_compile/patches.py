@@ -659,18 +659,21 @@ class _TraceableCTC(TorchFunctionMode):
 
 
 def _refuse_shared_concatenated_targets(log_probs: Any, targets: Any) -> None:
-    """Concatenated targets ``(sum(target_lengths),)`` outside the batch, beside per-example
-    log-probabilities: each example is traced as a batch of one, so every example read its
-    labels from the start of the shared vector, that is the first example's labels (review:
-    removing the first example moved the clipped sum by 4.0 C at 6 examples, and
-    ``opake.verify`` agreed, removing rows of batched arguments only)."""
-    if (isinstance(targets, torch.Tensor) and targets.dim() == 1 and isinstance(log_probs, torch.Tensor)
-            and log_probs.dim() == 3 and _is_vmapped(log_probs) and not _is_vmapped(targets)):
+    """Targets outside the batch, beside per-example log-probabilities: each example is traced
+    as a batch of one, so every example read the start of the shared targets. Concatenated
+    ones gave every example the first example's labels (review: removing it moved the clipped
+    sum by 4.0 C at 6 examples, and ``opake.verify`` agreed, removing rows of batched arguments
+    only); padded ones the same (a second review: one example's norm moved from 23.4 to 18.8
+    when another was removed). One row of targets shared by every example is public and kept."""
+    if (isinstance(targets, torch.Tensor) and isinstance(log_probs, torch.Tensor) and log_probs.dim() == 3
+            and _is_vmapped(log_probs) and not _is_vmapped(targets) and (targets.dim() == 1 or targets.shape[0] != 1)):
         raise UnsupportedOperationError(
-            "ctc_loss with concatenated targets (one 1-dim tensor of every sequence's labels) passed "
-            "outside batch_argnums: the per-example step would read every example's labels from the start "
-            "of that shared vector, which are the first example's. Pass the targets padded, one row per "
-            "example ((N, S), entries past each target length ignored), as a batched argument."
+            f"ctc_loss with targets of shape {tuple(targets.shape)} passed outside batch_argnums, beside "
+            "per-example log-probabilities: each example, traced as a batch of one, would read the first "
+            "row of the whole batch's targets (concatenated targets: the first example's labels; padded "
+            "ones: another example's row, so that one example's labels move the others' gradients). Pass "
+            "the targets padded, one row per example ((N, S), entries past each target length ignored), "
+            "as a batched argument."
         )
 
 

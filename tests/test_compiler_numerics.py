@@ -428,7 +428,8 @@ def test_many_aligned_examples_in_one_large_logical_batch_move_the_sum_by_at_mos
     # Before: chunk sums (and graphs of any size) were added in float32; a sum of magnitude
     # n C rounds on a grid of ~2^-24 n C per entry, so 2^18 aligned examples in chunks of 2^14
     # moved the released sum by 1.0055 C (found by a hostile review). Now graphs hold at most
-    # MAX_FLOAT32_SUM_ROWS rows and chunk sums add up in float64.
+    # MAX_FLOAT32_SUM_ROWS rows and chunk sums add up in float64, up to MAX_FLOAT32_LOGICAL_ROWS
+    # rows in one call (beyond, the chunks' own rounding adds up: refused, test_compiler_step).
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Linear(4, 1)
@@ -436,7 +437,7 @@ def test_many_aligned_examples_in_one_large_logical_batch_move_the_sum_by_at_mos
         step = compile_dp(lambda m, x, y: (m(x) - y).square().mean(), model=model, clipping_norm=1.0,
                           backend="aot_eager", physical_batch_size=2**14)
     g = _gen(0)
-    n = 2**18
+    n = numerics.MAX_FLOAT32_LOGICAL_ROWS
     x = (5 * torch.randn(1, 4, generator=g)).expand(n, 4).contiguous()
     y = torch.randn(1, 1, generator=g).expand(n, 1).contiguous()
     assert step.plan(n)[0][1] == numerics.MAX_FLOAT32_SUM_ROWS

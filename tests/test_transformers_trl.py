@@ -129,6 +129,10 @@ def test_dpo_reference_frozen_and_first_loss_log2(tmp_path):
     assert r0["rejected_labels"][:3] == [-100, -100, -100]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # Evaluation reads the pair columns (transformers dropped them, then called the model on
+        # none: it failed in every form, a review); policy = reference, so the loss is log 2.
+        assert trainer.evaluate(eval_dataset=rows[:4])["eval_loss"] == pytest.approx(math.log(2), rel=1e-5)
+        assert trainer.evaluate(eval_dataset={"a": rows[:4]})["eval_a_loss"] == pytest.approx(math.log(2), rel=1e-5)
         trainer.setup_privacy()
         first = trainer.dp_step(*[trainer._collate_train([0, 1, 2])[k] for k in trainer._dp_keys])
         assert first.loss.item() == pytest.approx(math.log(2), rel=1e-5)

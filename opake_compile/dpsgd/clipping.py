@@ -121,11 +121,16 @@ def clip_pytree(tree: Any, clipping_norm: Any) -> tuple[Any, torch.Tensor]:
     if not (isinstance(clipping_norm, torch.Tensor) and torch.compiler.is_compiling()):
         check_clipping_norm(clipping_norm)
     norm = _pt.global_norm(tree)
-    # Decided on the norm in float64 as well: global_norm squares float32 entries in float32,
-    # where squares below ~1e-45 vanish (a tree of 10^6 entries of 1e-24 had norm 0 and came
-    # back at 10^4 C for C = 1e-25; review). Within C by both (up to the float32 norm's own
-    # rounding), a tree is returned unchanged.
-    exact = _scaled_global_norm(tree).to(norm.device)
+    # Decided on the norm in float64 as well where it matters: global_norm squares float32
+    # entries in float32, where squares below ~1e-45 vanish (a tree of 10^6 entries of 1e-24
+    # had norm 0 and came back at 10^4 C for C = 1e-25; review). Each lost square is below
+    # 2^-149, so a float32 sum of squares above numel 2^-129 is within 2^-20 of the exact
+    # one and is used as it is (eagerly; under torch.compile the float64 norm is always formed).
+    numel = sum(x.numel() for x in _pt.tree_leaves(tree))
+    if norm.dtype == torch.float64 or (not torch.compiler.is_compiling() and float(norm) ** 2 > numel * 2.0**-129):
+        exact = norm.to(torch.float64)
+    else:
+        exact = _scaled_global_norm(tree).to(norm.device)
     c = clipping_norm.to(exact) if isinstance(clipping_norm, torch.Tensor) else clipping_norm
     within = (norm.to(exact) <= c) & (exact <= c * (1.0 + 2.0**-22))
     scale = torch.where(within, torch.ones_like(exact), c / torch.maximum(exact, norm.to(exact)))
@@ -139,15 +144,16 @@ def _scaled_global_norm(tree: Any) -> torch.Tensor:
     """The tree's global norm in float64, over its entries divided by their largest magnitude
     (no square underflows, float64 ones included). Non-finite entries give a non-finite norm."""
     leaves = [torch.view_as_real(x.resolve_conj()) if x.dtype.is_complex else x for x in _pt.tree_leaves(tree)]
+    leaves = [x for x in leaves if x.numel()]
     if not leaves:
         return torch.zeros((), dtype=torch.float64)
     device = leaves[0].device
-    wide = [x.to(device=device, dtype=torch.float64) for x in leaves]
-    m = torch.stack([x.abs().amax() if x.numel() else x.new_zeros(()) for x in wide]).amax()
+    # One leaf at a time in float64 (a copy of every leaf at once cost 4x the tree: review).
+    m = torch.stack([x.abs().amax().to(device=device, dtype=torch.float64) for x in leaves]).amax()
     unit = torch.where(torch.isfinite(m) & (m > 0), m, torch.ones_like(m))
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for x in wide:
-        total = total + (x / unit).square().sum()
+    for x in leaves:
+        total = total + (x.to(device=device, dtype=torch.float64) / unit).square().sum()
     return unit * total.sqrt()
 
 
@@ -208,7 +214,8 @@ def clip_and_sum(
 
     Returns:
         ``(summed_tree, norms, kept)``: leaves of shape ``leaf_shape`` in the sum dtype
-        (float32, or float64 if any leaf is float64), the ``(B,)`` norms before clipping, and
+        (float32, or float64 if any leaf is float64 or B is above 4096), the ``(B,)`` norms
+        before clipping (in the sum dtype of one chunk: float32 or float64), and
         the bool ``(B,)`` of rows that contributed (finite norm and in the mask).
 
     Raises:

@@ -98,11 +98,10 @@ def _ids(tok: Any, text: Any, *, chat: bool = False, generation_prompt: bool = F
 
 def _prepared(eval_dataset: Any, prepare: Callable[[Any], Any]) -> Any:
     """``eval_dataset`` as given to ``evaluate``: ``None`` (the constructor's), a dict of
-    datasets (each prepared), or rows (prepared)."""
-    if eval_dataset is None:
-        return None
-    if isinstance(eval_dataset, Mapping):
-        return {name: prepare(rows) for name, rows in eval_dataset.items()}
+    datasets (as is: ``Trainer.evaluate`` calls ``evaluate`` on each entry, which prepares it;
+    preparing here too tokenized the rows twice: review), or rows (prepared)."""
+    if eval_dataset is None or isinstance(eval_dataset, Mapping):
+        return eval_dataset  # (a dict: transformers evaluates each entry through evaluate() again)
     return prepare(eval_dataset)
 
 
@@ -307,6 +306,23 @@ class DPOTrainer(DPTrainer):
             )
         prepare = lambda rows: self._prepare(rows, self.model, self.ref_model)  # noqa: E731
         return super().evaluate(_prepared(eval_dataset, prepare), *pargs, **kwargs)
+
+    # Evaluation keeps every column: compute_loss reads the chosen / rejected ones, which
+    # transformers dropped as unknown to the model's forward ("The batch received was empty").
+    def _get_collator_with_removed_columns(self, data_collator: Any, description: str | None = None) -> Any:
+        return data_collator
+
+    def _remove_unused_columns(self, dataset: Any, description: str | None = None) -> Any:
+        return dataset
+
+    def prediction_step(self, model: torch.nn.Module, inputs: Mapping[str, Any], prediction_loss_only: bool,
+                        ignore_keys: Any = None) -> tuple[torch.Tensor, None, None]:
+        """The evaluation loss is the DPO loss of the pairs (transformers called the model on the
+        pair columns, which it cannot read). The metric is not privatised."""
+        inputs = self._prepare_inputs(dict(inputs))
+        with torch.no_grad():
+            loss = self.compute_loss(model, {k: (v.float() if k.startswith("ref_") else v) for k, v in inputs.items()})
+        return loss.detach(), None, None
 
     # ------------------------------------------------------------------ data
     def _tokenize_row(self, row: Mapping[str, Any]) -> dict[str, list[int]]:
