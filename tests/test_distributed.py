@@ -722,7 +722,7 @@ def test_sampler_configuration():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotPrivateWarning)
         opt = DPOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), noise_multiplier=1.0,
-                          sampler=D.DistributedPoissonSampler(10, 0.2, key=key, rank=1, world_size=2), key=key)
+                          sampler=D.DistributedPoissonSampler(10, 0.2, key=key, rank=1, world_size=2), key=oprandom.key(1))
     assert (opt.sample_rate, opt.dataset_size, opt.expected_batch_size) == (0.2, 10, 2.0)
 
 

@@ -452,9 +452,16 @@ def test_accumulate_refusals():
                          num_examples=40000, parameters={"w": param}) for _ in range(2)]
     with pytest.raises(ConfigurationError, match="80000 examples in one logical batch"):
         accumulate(big)
+    # A float32 parameter's float64 sums (a compiled call of several float32 chunks) are counted
+    # too (review); a float64 parameter's are not limited.
+    chunked = [ClippedPytree(grads={"w": torch.zeros(3, dtype=torch.float64)}, clipping_norm=1.0,
+                             per_example_norms=torch.zeros(0), num_examples=40000, parameters={"w": param}) for _ in range(2)]
+    with pytest.raises(ConfigurationError, match="80000 examples in one logical batch"):
+        accumulate(chunked)
+    param64 = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     wide = [ClippedPytree(grads={"w": torch.zeros(3, dtype=torch.float64)}, clipping_norm=1.0,
-                          per_example_norms=torch.zeros(0), num_examples=40000, parameters={"w": param}) for _ in range(2)]
-    assert accumulate(wide).num_examples == 80000  # float64 parts are not limited
+                          per_example_norms=torch.zeros(0), num_examples=40000, parameters={"w": param64}) for _ in range(2)]
+    assert accumulate(wide).num_examples == 80000
 
 
 def test_passing_the_step_result_instead_of_its_clipped_sum_gets_a_hint():
