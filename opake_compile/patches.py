@@ -61,7 +61,8 @@ returns or raises):
    graph nodes per frame); the kernel's values (``blank``, ``reduction``, ``zero_infinity``;
    padded targets, or concatenated ones where they are batched per example: concatenated
    targets outside the batch are refused, since each example, traced as a batch of one,
-   would read the first example's labels), lengths kept as tensors. What the eager kernel checks
+   would read the first example's labels; so is ``embedding_bag``'s flat 1-dim input outside
+   the batch beside per-example offsets), lengths kept as tensors. What the eager kernel checks
    (class indices, lengths) is checked on the real batch before the step runs
    (:mod:`opake_compile.compiler._input_checks`). transformers' ``ForCTCLoss``
    (``model.loss_function`` of the ``*ForCTC`` heads) flattens the labels with a
@@ -655,7 +656,25 @@ class _TraceableCTC(TorchFunctionMode):
             if func is torch.ctc_loss:
                 bound["reduction"] = self._REDUCTIONS[int(bound.get("reduction", 1))]
             return ctc_loss(**bound)
+        if func is torch.nn.functional.embedding_bag:
+            bound = dict(zip(("input", "weight", "offsets"), args), **kwargs)
+            _refuse_shared_bag_input(bound.get("input"), bound.get("offsets"))
         return func(*args, **kwargs)
+
+
+def _refuse_shared_bag_input(tokens: Any, offsets: Any) -> None:
+    """``embedding_bag`` in its flat form (1-dim input, per-bag offsets) with the flat input
+    outside the batch and the offsets in it: each example, traced as a batch of one, reads the
+    shared input from its own offset to the end, that is other examples' tokens (offsets of 0
+    moved the clipped sum by 2.24 C at 5 examples; other offsets failed in the kernel)."""
+    if (isinstance(tokens, torch.Tensor) and tokens.dim() == 1 and isinstance(offsets, torch.Tensor)
+            and _is_vmapped(offsets) and not _is_vmapped(tokens)):
+        raise UnsupportedOperationError(
+            "embedding_bag with a flat 1-dim input passed outside batch_argnums and per-example offsets: "
+            "each example would read the shared input from its offset to the end, other examples' tokens "
+            "included. Pass the bags as a batched 2-dim input, one row per example, padded with padding_idx "
+            "(nn.EmbeddingBag(..., padding_idx=p)), or per-example per_sample_weights of 0 on the padding."
+        )
 
 
 def _refuse_shared_concatenated_targets(log_probs: Any, targets: Any) -> None:
