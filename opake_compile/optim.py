@@ -598,6 +598,15 @@ class DPOptimizer:
                 "DPOptimizer adds noise to the sum and divides by the expected batch size itself."
             )
         _check_release(clipped)
+        ahead = getattr(self.sampler, "_charged_at_load", 0)
+        if ahead > self._draws_charged:
+            raise ConfigurationError(
+                f"The sampler's state was saved after {ahead} of its draws had been charged, but this "
+                f"optimizer has charged {self._draws_charged}: the two states come from different times of "
+                "the run, and this step would add the noise of an earlier step (already released) to "
+                "another sample, so that the two releases differ by their clipped sums without noise "
+                "(review). Restore the optimizer and the sampler from the same checkpoint. Nothing changed."
+            )
         charger = _CHARGERS.get(self.sampler)
         first = getattr(self.sampler, "_opake_charged_by", None)
         if (charger is not None and charger() not in (None, self)) or first not in (None, self._charge_token):

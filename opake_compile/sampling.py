@@ -56,6 +56,12 @@ __all__ = [
 
 _STATE_VERSION = 2  # 2 adds "position" (batches of the current epoch already drawn); 1 still loads
 
+def _draws_charged_from_live(sampler: Any) -> int:
+    from opake_compile.optim import _draws_charged_from
+
+    return _draws_charged_from(sampler)
+
+
 def _new_sampler_id() -> int:
     """A sampler's id: random, so that a sampler made in another process cannot share it (a
     per-process counter made the first sampler of two processes alike)."""
@@ -229,6 +235,9 @@ class PoissonSampler(Sampler[list[int]]):
         # Bumped by load_state_dict: an iterator made before it stops there (it would hand out
         # positions the loaded state does not know, and overwrite the restored position).
         self._loads = 0
+        # Draws the run had charged when the state last loaded was saved (DPOptimizer.step
+        # refuses an optimizer behind it: its next noise was released with later draws).
+        self._charged_at_load = 0
 
     # -- read-only configuration --------------------------------------------------------------
 
@@ -396,6 +405,9 @@ class PoissonSampler(Sampler[list[int]]):
             "truncated_batch_size": self._truncated_batch_size,
             "steps": self._steps,
             "draws_handed_out": self._handed_out,
+            # How many of its draws the optimizer charging it had charged: an optimizer restored
+            # from an earlier time of the run is refused at its next step (DPOptimizer.step).
+            "draws_charged": max(self._charged_at_load, _draws_charged_from_live(self)),
             # One string: a checkpoint restores into a template of fixed structure.
             "history": json.dumps(self._history),
         }
@@ -458,9 +470,10 @@ class PoissonSampler(Sampler[list[int]]):
             for run in history
         ):
             raise CheckpointError("Invalid history in PoissonSampler state (runs [epoch, step, seq, count]).")
-        from opake_compile.optim import _draws_charged_from
-
-        charged = _draws_charged_from(self)
+        charged_at_save = state.get("draws_charged", 0)  # absent in states saved before it was kept
+        if isinstance(charged_at_save, bool) or not isinstance(charged_at_save, int) or not 0 <= charged_at_save <= handed_out:
+            raise CheckpointError(f"Invalid draws_charged {charged_at_save!r} in PoissonSampler state.")
+        charged = _draws_charged_from_live(self)
         if handed_out < charged:
             raise CheckpointError(
                 f"This state has handed out {handed_out} draw(s), but a live DPOptimizer has charged "
@@ -483,6 +496,7 @@ class PoissonSampler(Sampler[list[int]]):
         self._position = None
         self._loads += 1
         self._handed_out = handed_out
+        self._charged_at_load = charged_at_save
         self._history = [list(run) for run in history]
         self._sizes, self._sizes_from = array.array("q"), handed_out
 
