@@ -242,6 +242,13 @@ class _Session:
                 "k*q. Call optimizer.step() after every batch; for large logical batches use a "
                 "larger batch_size with BatchMemoryManager(max_physical_batch_size=...)."
             )
+        if any(p.meta is not None and p.meta.draw == meta.draw and p.meta.chunk == meta.chunk for p in self.parts):
+            raise UnsupportedOperationError(
+                f"Physical batch {meta.chunk} of this Poisson draw was already backwarded before this step (two "
+                "forwards of one yielded batch): its examples would count twice under one charge, and "
+                "skipping another physical batch kept the count equal to the draw's (review: 2 C). Call "
+                "loss.backward() once per physical batch. Nothing was recorded."
+            )
         args, n = tape.meta["args"], tape.meta["n"]
         clipped = self._clipped(loss, tape, args, n)
         tape.consumed = True
