@@ -929,3 +929,52 @@ def test_a_target_delta_of_at_least_one_over_n_is_refused():
         PrivacyEngine(backend=BACKEND).make_private_with_epsilon(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(_data(), batch_size=4),
             target_epsilon=1.0, target_delta=1.0 / n, epochs=1, max_grad_norm=1.0)
+
+
+def test_a_second_engine_on_one_model_and_a_new_max_grad_norm_are_refused():
+    """Two PrivacyEngines on one model each reported the epsilon of their own steps (4.206
+    each, 5.458 together); optimizer.max_grad_norm = 0.01 (an Opacus clipping schedule) was
+    accepted and ignored (review)."""
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", sigma=1.0, C=1.0)
+    with pytest.raises(ConfigurationError, match="max_grad_norm is fixed at 1.0"):
+        popt.max_grad_norm = 0.01
+    assert popt.max_grad_norm == 1.0
+    other = PrivacyEngine(backend=BACKEND)
+    with pytest.raises(ConfigurationError, match="made private by another PrivacyEngine"):
+        other.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                           data_loader=DataLoader(_data(12), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+    again = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                data_loader=DataLoader(_data(12), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0)
+    assert len(again) == 3  # the same engine composes its runs
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_forward_that_replaces_a_buffer_is_refused_and_the_buffer_put_back(mode):
+    """A running statistic kept by reassigning a buffer in forward was computed by the eager
+    forward on the whole batch and released with the weights uncharged (12 steps moved it from
+    ~0.2 to ~-600 with one outlier: review)."""
+
+    class Tracked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 3)
+            self.register_buffer("mu", torch.zeros(5))
+
+        def forward(self, x):
+            if self.training:
+                self.mu = (0.9 * self.mu + 0.1 * x.mean(0)).detach()
+            return self.lin(x - self.mu)
+
+    model = Tracked()
+    engine = PrivacyEngine(backend=BACKEND)
+    out = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                              data_loader=DataLoader(_data(12), batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0,
+                              grad_sample_mode=mode)
+    pmodel, loader = out[0], out[-1]
+    mu = model.mu
+    for x, y in loader:
+        if len(x):
+            with pytest.raises(UnsupportedOperationError, match="replaced its buffer 'mu'"):
+                pmodel(x)
+            break
+    assert model.mu is mu and torch.equal(mu, torch.zeros(5))

@@ -152,8 +152,24 @@ class _Session:
             if isinstance(a, torch.Tensor) and a.dim() >= 1:
                 n = a.shape[0]
                 break
+        # The eager forward runs on the whole batch, outside the compiled per-example step: a
+        # buffer it reassigns (self.mu = 0.9 * self.mu + 0.1 * x.mean(0)) would hold a statistic
+        # of the batch, released with the weights uncharged (review: 12 steps moved it from
+        # ~0.2 to ~-600 with one outlier). Put back and refused. (In-place writes are refused
+        # by the step's own check.)
+        buffers = [(m, name, t) for m in self.module.modules() for name, t in m._buffers.items()]
         with torch.no_grad():
             out = self.module(*args)
+        moved = [(m, name, t) for m, name, t in buffers if m._buffers.get(name) is not t]
+        if moved:
+            for m, name, t in moved:
+                m._buffers[name] = t
+            raise UnsupportedOperationError(
+                f"The model's forward replaced its buffer {moved[0][1]!r} ({type(moved[0][0]).__name__}): a "
+                "buffer computed from the batch (a running statistic) is released with the model and "
+                "charged nowhere. Keep the buffer fixed in training mode, or make it a parameter trained "
+                "privately. The buffer was put back; nothing was recorded."
+            )
         if not isinstance(out, torch.Tensor):
             raise UnsupportedOperationError(
                 f"In training mode the model's forward must return one tensor, got "
@@ -414,8 +430,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer = optimizer
         self.dp = dp
         self._session = session
-        self.max_grad_norm = max_grad_norm
+        self._max_grad_norm = max_grad_norm
         self.loss_reduction = loss_reduction
+
+    @property
+    def max_grad_norm(self) -> float:
+        """C, fixed by ``make_private``: the compiled step clips to it."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        # Opacus reads the attribute at every step, so clipping schedules set it; here the step
+        # clipped to the first C whatever it was set to (review): refused rather than ignored.
+        raise ConfigurationError(
+            f"max_grad_norm is fixed at {self._max_grad_norm} by make_private (the compiled step clips to it): "
+            "setting it would be ignored. For another clipping norm, call make_private again on fresh "
+            "objects; for a norm that follows the data, use opake_compile's adaptive clipping."
+        )
 
     @property
     def noise_multiplier(self) -> float:
@@ -837,6 +868,15 @@ class PrivacyEngine:
         params = {id(p) for p in module.parameters()}
         if any(id(p) not in params for g in optimizer.param_groups for p in g["params"]):
             raise ConfigurationError("The optimizer has parameters that are not the module's.")
+        owner = getattr(module, "_opake_private_engine", None)
+        if owner is not None and owner() not in (None, self):
+            # Each engine's accountant would hold only its own steps of one model (review: each
+            # reported epsilon 4.206 where the model's 8 steps together cost 5.458).
+            raise ConfigurationError(
+                "This module was made private by another PrivacyEngine: each engine would account "
+                "only its own steps of the same model. Use one PrivacyEngine per model (its "
+                "get_epsilon composes every make_private call of that engine)."
+            )
         if grad_sample_mode == "ghost":
             if criterion is None:
                 criterion = nn.CrossEntropyLoss(reduction=loss_reduction)  # Opacus's default
@@ -892,6 +932,7 @@ class PrivacyEngine:
             # Claimed last, so that a call refused earlier leaves the key free for a retry.
             _claim_key(given_key, dp)
         self._optimizers.append(dp_optimizer)
+        module._opake_private_engine = weakref.ref(self)
         if grad_sample_mode == "ghost":
             return model, dp_optimizer, criterion, loader
         return model, dp_optimizer, loader
