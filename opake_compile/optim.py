@@ -1019,6 +1019,11 @@ class DPOptimizer:
             raise CheckpointError(f"DPOptimizer state has invalid runs {saved_runs!r}: {err}") from err
         if sum(count for _, count in runs) != steps:
             raise CheckpointError(f"DPOptimizer state: runs {saved_runs!r} do not add up to steps={steps}.")
+        draws = state.get("draws_charged", steps)  # (absent in states saved before it was kept)
+        if isinstance(draws, bool) or not isinstance(draws, int) or draws != steps:
+            # Every step charges the draws it covers, one step each: they never differ in a state
+            # this optimizer wrote (an edited steps=0 reported epsilon 0: review).
+            raise CheckpointError(f"DPOptimizer state: draws_charged={draws!r} differs from steps={steps}.")
         noise_state = None
         if self._plan is not None:
             if state.get("noise") != repr(self._noise_fn) or "noise_state" not in state:

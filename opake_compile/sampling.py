@@ -470,6 +470,13 @@ class PoissonSampler(Sampler[list[int]]):
             for run in history
         ):
             raise CheckpointError("Invalid history in PoissonSampler state (runs [epoch, step, seq, count]).")
+        if "history" in state and sum(run[3] for run in history) != handed_out:
+            # Every draw handed out is recorded (an emptied history handed released positions
+            # out again as new draws: review).
+            raise CheckpointError(
+                f"PoissonSampler state: its history records {sum(run[3] for run in history)} draw(s) but it "
+                f"handed out {handed_out}."
+            )
         charged_at_save = state.get("draws_charged", 0)  # absent in states saved before it was kept
         if isinstance(charged_at_save, bool) or not isinstance(charged_at_save, int) or not 0 <= charged_at_save <= handed_out:
             raise CheckpointError(f"Invalid draws_charged {charged_at_save!r} in PoissonSampler state.")

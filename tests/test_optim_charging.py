@@ -905,3 +905,31 @@ def test_an_optimizer_restored_from_an_earlier_time_than_its_sampler_is_refused(
     assert run(5, 5) == 6
     with pytest.raises(ConfigurationError, match="saved after 10 of its draws had been charged, but this optimizer has charged 5"):
         run(5, 10)
+
+
+def test_edited_states_that_forget_charged_steps_are_refused():
+    """steps edited to 0 (with runs []) loaded and reported epsilon 0, and a sampler state whose
+    history was emptied handed released positions out again as new draws (review): an
+    optimizer's steps must equal its draws charged, and a sampler's history must cover every
+    draw it handed out."""
+    import copy
+
+    w = torch.nn.Parameter(torch.zeros(3))
+    sampler = PoissonSampler(40, 0.05, key=opake.random.key(1))
+    opt = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(2))
+    it = iter(sampler)
+    for _ in range(3):
+        b = next(it)
+        opt.step(ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(len(b)),
+                               num_examples=len(b), parameters={"w": w}), draw=b)
+    o_state, s_state = copy.deepcopy(opt.state_dict()), copy.deepcopy(sampler.state_dict())
+    fresh_sampler = PoissonSampler(40, 0.05, key=opake.random.key(1))
+    fresh = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=fresh_sampler, key=opake.random.key(2))
+    edited = dict(o_state, steps=0, runs=[])
+    with pytest.raises(CheckpointError, match="draws_charged=3 differs from steps=0"):
+        fresh.load_state_dict(edited)
+    with pytest.raises(CheckpointError, match="history records 0 draw.s. but it handed out 3"):
+        fresh_sampler.load_state_dict(dict(s_state, epoch=0, position=0, history="[]"))
+    fresh.load_state_dict(o_state)
+    fresh_sampler.load_state_dict(s_state)
+    assert fresh.steps == 3
