@@ -978,3 +978,25 @@ def test_a_forward_that_replaces_a_buffer_is_refused_and_the_buffer_put_back(mod
                 pmodel(x)
             break
     assert model.mu is mu and torch.equal(mu, torch.zeros(5))
+
+
+def test_a_loop_left_mid_draw_goes_on_with_the_next_draw():
+    """A break inside BatchMemoryManager left the draw's first physical batches pending, and every
+    later backward was refused as accumulation across draws, with no way out (review). They are
+    dropped unreleased (with a warning) and the draw is charged with the next step."""
+    engine, model, pmodel, popt, criterion, loader = _private("hooks", n=40, batch_size=8, sigma=1.0, C=1.0)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=popt) as small:
+        for x, y in small:
+            criterion(pmodel(x), y).backward()
+            popt.step()
+            popt.zero_grad()
+            if popt.accumulated_iterations > 0:
+                break
+    assert popt.dp.steps == 0
+    with pytest.warns(UserWarning, match="dropped unreleased"):
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=popt) as small:
+            for x, y in small:
+                criterion(pmodel(x), y).backward()
+                popt.step()
+                popt.zero_grad()
+    assert popt.dp.steps >= 6  # the left draw (charged as skipped) and an epoch of 5

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -250,6 +251,20 @@ class _Session:
                 "This batch did not come from the DataLoader that make_private returned: only its "
                 "Poisson draws are accounted for. Iterate the returned data loader."
             )
+        stale = self.parts[-1].meta if self.parts else None
+        if stale is not None and stale.draw != meta.draw and not stale.last:
+            # A loop left in the middle of a draw (a break inside BatchMemoryManager) left its first
+            # physical batches pending, and every later backward was refused with no way out
+            # (review). They were never released: dropped; the draw is charged with the next step,
+            # as every skipped draw is.
+            warnings.warn(
+                "The physical batches of an earlier Poisson draw were left before its last one (a loop "
+                "left mid-draw): their clipped sums are dropped unreleased, and that draw is charged with "
+                "the next step as a skipped draw.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self.parts.clear()
         if self.parts and self.parts[-1].meta is not None and self.parts[-1].meta.draw != meta.draw:
             raise UnsupportedOperationError(
                 "Opacus's gradient accumulation over several Poisson batches (loss.backward() on "
