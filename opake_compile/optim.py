@@ -70,17 +70,15 @@ _MF_RECOVERY = (
     "(opake_compile.Checkpointer) into a new optimizer and sampler, or start a new run."
 )
 
-#: The optimizer charging each sampler's draws (one per sampler: two optimizers stepping on one
-#: draw release it twice, each charging it once).
-_CHARGERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The attribute a sampler records the optimizer charging its draws in: a weak reference to
+#: the first DPOptimizer that released one of them, kept once that optimizer is gone (one per
+#: sampler: two optimizers stepping on one draw release it twice, each charging it once).
+_CHARGED_BY = "_opake_charged_by"
 
 
 def _draws_charged_from(sampler: Any) -> int:
     """How many of ``sampler``'s draws the live DPOptimizer charging it has charged (0: none)."""
-    try:
-        ref = _CHARGERS.get(sampler)
-    except TypeError:  # not weakly referenceable: never registered
-        return 0
+    ref = getattr(sampler, _CHARGED_BY, None)
     opt = None if ref is None else ref()
     return 0 if opt is None else opt._draws_charged
 
@@ -356,7 +354,7 @@ class DPOptimizer:
                     else ""
                 )
             )
-        if getattr(sampler, "_opake_charged_by", None) is not None:
+        if getattr(sampler, _CHARGED_BY, None) is not None:
             raise ConfigurationError(
                 "This sampler's draws were already charged by another DPOptimizer (alive or not): a new "
                 "optimizer would count them from zero, so a position handed out again (batch_at) would be "
@@ -365,7 +363,6 @@ class DPOptimizer:
                 "key for a new run, or restore both from a checkpoint into new objects."
             )
         self._sampler = sampler
-        self._charge_token = object()  # what the sampler records of the optimizer charging it
         self._sample_rate = float(sampler.sample_rate)
         self._dataset_size = int(sampler.dataset_size)
         self._truncated_batch_size = sampler.truncated_batch_size
@@ -607,9 +604,8 @@ class DPOptimizer:
                 "another sample, so that the two releases differ by their clipped sums without noise "
                 "(review). Restore the optimizer and the sampler from the same checkpoint. Nothing changed."
             )
-        charger = _CHARGERS.get(self.sampler)
-        first = getattr(self.sampler, "_opake_charged_by", None)
-        if (charger is not None and charger() not in (None, self)) or first not in (None, self._charge_token):
+        charger = getattr(self.sampler, _CHARGED_BY, None)
+        if charger is not None and charger() is not self:  # (a dead one included)
             raise ConfigurationError(
                 "Another DPOptimizer already charges this sampler's draws: two optimizers stepping on "
                 "one draw release it twice while each charges it once. Use one DPOptimizer per sampler "
@@ -771,14 +767,10 @@ class DPOptimizer:
         """Record a release (at the write to ``.grad``): the sum and its parts may not be
         released again, and this optimizer charges its sampler's draws from now on."""
         _record_release(clipped)  # receipts included: adaptive clipping's next norm may now be used
-        try:
-            _CHARGERS[self.sampler] = weakref.ref(self)
-        except TypeError:  # a sampler object that cannot be weakly referenced: not tracked
-            pass
-        if getattr(self.sampler, "_opake_charged_by", None) is None:
-            try:  # for good (not a weak reference): any other optimizer on this sampler is refused
-                self.sampler._opake_charged_by = self._charge_token
-            except AttributeError:
+        if getattr(self.sampler, _CHARGED_BY, None) is None:
+            try:  # for good: any other optimizer on this sampler is refused, even once this one is gone
+                setattr(self.sampler, _CHARGED_BY, weakref.ref(self))
+            except AttributeError:  # a sampler object without attributes: not tracked
                 pass
 
     @property

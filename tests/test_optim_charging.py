@@ -848,6 +848,7 @@ def test_a_second_optimizer_on_a_charged_sampler_is_refused():
     w = torch.nn.Parameter(torch.zeros(3))
     sampler = PoissonSampler(100, 0.1, key=opake.random.key(1))
     first = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(2))
+    early = DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(6))
     b = next(iter(sampler))
     first.step(ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(len(b)),
                              num_examples=len(b), parameters={"w": w}), draw=b)
@@ -857,6 +858,10 @@ def test_a_second_optimizer_on_a_charged_sampler_is_refused():
             gc.collect()
         with pytest.raises(ConfigurationError, match="already charged by another DPOptimizer"):
             DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=sampler, key=opake.random.key(3))
+        # One built before the first charged is refused at its step (a diff review's bypass).
+        with pytest.raises(ConfigurationError, match="Another DPOptimizer already charges"):
+            early.step(ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(len(b)),
+                                     num_examples=len(b), parameters={"w": w}), draw=b)
     fresh = PoissonSampler(100, 0.1, key=opake.random.key(4))  # a new run: a new sampler
     assert DPOptimizer(torch.optim.SGD([w], lr=0.1), noise_multiplier=1.0, sampler=fresh, key=opake.random.key(5)).steps == 0
 
