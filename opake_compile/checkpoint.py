@@ -227,10 +227,11 @@ class Checkpointer:
         meta_json = _ser._metadata_json(meta)
         self._dir.mkdir(parents=True, exist_ok=True)
         order = self._save_order()
+        seq = int(max((s for s, _ in order if math.isfinite(s)), default=0)) + 1
         header = {
             "opake_compile": meta_json,
             "opake_compile.step": str(step_number),
-            "opake_compile.saved": str(int(max((seq for seq, _ in order if math.isfinite(seq)), default=0)) + 1),
+            "opake_compile.saved": str(seq),
             "opake_compile.sha256": _checksum(tensors, meta_json),
         }
         final = self.path(step_number)
@@ -242,10 +243,11 @@ class Checkpointer:
         except Exception as err:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(f"Could not write the checkpoint of step {step_number} to {final}: {err}") from err
-        self._prune()
+        # (The order read above, with this save: its headers are not read again.)
+        self._prune(sorted([e for e in order if e[1] != step_number] + [(float(seq), step_number)]))
         return final
 
-    def _save_order(self) -> list[tuple[int, int]]:
+    def _save_order(self) -> list[tuple[float, int]]:
         """``(save sequence, step number)`` of every complete checkpoint, oldest save first.
         Files written before the sequence was recorded count as saved before all others, among
         themselves in step order. A file whose header cannot be read counts as the newest, so
@@ -262,11 +264,11 @@ class Checkpointer:
             out.append((seq, step))
         return sorted(out)
 
-    def _prune(self) -> None:
+    def _prune(self, order: list[tuple[float, int]]) -> None:
         # The most recently saved are kept, whatever their step numbers: a counter that
         # restarted (per epoch) had the file just written pruned as the lowest number, and a
         # later restore() rewound silently to an older state (review).
-        for _, s in self._save_order()[: -self._keep]:
+        for _, s in order[: -self._keep]:
             self.path(s).unlink(missing_ok=True)
         for p in self._dir.iterdir():
             if p.name.startswith(_TMP_PREFIX):

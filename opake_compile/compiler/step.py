@@ -1012,8 +1012,8 @@ class _ScalarWatch:
                     cc >= 3 and abs(yy - cc) <= 1e-6 * cc for cc, yy in points)
                 if equal or len(points) >= self.LINE_AFTER:
                     c, what = counts[ident]
-                    how = (("its inverse has" if form == "1/x" else "it has") + " equalled"
-                           if equal else ("its inverse has" if form == "1/x" else "it has") + " followed a line a*count + b of")
+                    subject = "its inverse has" if form == "1/x" else "it has"
+                    how = f"{subject} equalled" if equal else f"{subject} followed a line a*count + b of"
                     raise ConfigurationError(
                         f"Argument {path[0]} (leaf {path[1]}{'' if len(path) == 2 else f', entry {path[2]}'}) = {v!r}: "
                         f"{how} {what} at every call, while that "
