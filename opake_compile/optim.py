@@ -942,7 +942,11 @@ class DPOptimizer:
             "draws_charged": self._draws_charged,
             # Each run of identical steps: the noise multipliers of the other releases, count.
             "runs": [[_release_sigmas(proc, self.step_process), count] for proc, count in self._runs],
-            **({} if self._plan is None else {"noise_state": _mf_state_to_dict(self._noise_state), "noise": repr(self._noise_fn)}),
+            **({} if self._plan is None else {
+                "noise_state": _mf_state_to_dict(self._noise_state),
+                "noise": repr(self._noise_fn),
+                "sampler_scheme": _scheme_of(self._sampler),
+            }),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -1023,6 +1027,7 @@ class DPOptimizer:
                     f"Checkpoint has noise {state.get('noise')!r}, this optimizer {self._noise_fn!r}: the "
                     "correlated noise and its accounting would not match."
                 )
+            _check_sampler_scheme(state, self._sampler, steps)
             noise_state = _mf_state_from_dict(state["noise_state"], self._noise_state)
             if noise_state.step != steps:
                 raise CheckpointError(f"DPOptimizer state: noise step {noise_state.step} != steps={steps}.")
@@ -1078,3 +1083,42 @@ def _release_sigmas(process: Any, base: Any) -> list[float]:
     mechanism = process.mechanism
     parts = mechanism.parts[1:] if isinstance(mechanism, _acc.Composed) else ()
     return [float(p.noise_multiplier) for p in parts]
+
+
+def _scheme_of(sampler: Any) -> dict[str, Any] | None:
+    """The sampler's scheme (which examples each draw holds, position apart), or ``None`` for
+    a sampler that does not describe one."""
+    scheme = getattr(sampler, "_scheme_state", None)
+    return None if scheme is None else scheme()
+
+
+def _check_sampler_scheme(state: Mapping[str, Any], sampler: Any, steps: int) -> None:
+    """Refuse a correlated-noise state saved beside a sampler of another scheme.
+
+    The strategy's sensitivity depends on who took part when (bands, minimum separation, the
+    cyclic groups and every draw, all fixed by the sampler's key and settings), and the
+    accountant charges the whole run under the sampler it holds now. A checkpoint restored with
+    a sampler built otherwise (another key, bands or separation; same q and N) and fast-forwarded
+    past the saved steps was charged as if the new pattern had run from the start: one example
+    took part in two steps 1 apart where the charge assumed at least 4 (review: epsilon 2.57
+    reported, 5.75 for the participation that ran)."""
+    if steps == 0:
+        return
+    current = _scheme_of(sampler)
+    saved = state.get("sampler_scheme")
+    if saved is None or current is None:
+        raise CheckpointError(
+            "This correlated-noise checkpoint does not record its sampler's scheme"
+            + (" (saved by an earlier version)" if saved is None else f", and {type(sampler).__name__} describes none")
+            + ": its sensitivity depends on who took part in which step, so a run cannot resume under "
+            "a sampler that may differ. Resume from a checkpoint saved by this version."
+        )
+    for name in sorted(set(saved) | set(current)):
+        if saved.get(name) != current.get(name):
+            raise CheckpointError(
+                f"Checkpoint's sampler has {name}={saved.get(name)!r}, this optimizer's sampler "
+                f"{current.get(name)!r}: with correlated noise the sensitivity depends on who took part "
+                "in which step, and resuming under another scheme would charge the steps already run "
+                "as if the new one had drawn them. Build the sampler with the saved arguments and key, "
+                "and restore its state from the same checkpoint."
+            )

@@ -383,6 +383,19 @@ class PoissonSampler(Sampler[list[int]]):
             "opake_compile.Checkpointer, into a sampler built with the same arguments."
         )
 
+    def _scheme_state(self) -> dict[str, Any]:
+        """The configuration that fixes which examples each draw holds, position apart (plain
+        Python values): two samplers with equal schemes hand out the same draw at every position.
+        ``DPOptimizer`` saves it beside a correlated-noise state, whose sensitivity depends on
+        who took part when."""
+        return {
+            "key": oprandom.key_to_state(self._key),
+            "dataset_size": self._dataset_size,
+            "sample_rate": self._sample_rate,
+            "truncated_batch_size": self._truncated_batch_size,
+            "steps": self._steps,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """The epoch counter, the position inside the epoch being iterated, and the
         configuration they belong to (plain Python values).
@@ -399,11 +412,7 @@ class PoissonSampler(Sampler[list[int]]):
             "version": _STATE_VERSION,
             "epoch": epoch,
             "position": position,
-            "key": oprandom.key_to_state(self._key),
-            "dataset_size": self._dataset_size,
-            "sample_rate": self._sample_rate,
-            "truncated_batch_size": self._truncated_batch_size,
-            "steps": self._steps,
+            **self._scheme_state(),
             "draws_handed_out": self._handed_out,
             # How many of its draws the optimizer charging it had charged: an optimizer restored
             # from an earlier time of the run is refused at its next step (DPOptimizer.step).
@@ -634,8 +643,8 @@ class _SchemeSampler(PoissonSampler):
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sampling": self.sampling, **self._extra_state()}
+    def _scheme_state(self) -> dict[str, Any]:
+        return {**super()._scheme_state(), "sampling": self.sampling, **self._extra_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict):
@@ -912,9 +921,14 @@ class BMinSepSampler(_SchemeSampler):
         n, b, q = self._dataset_size, self._b, self._sample_rate
         last = torch.full((n,), -b, dtype=torch.int64)
         if b > 1:
+            # Two streams, so that example i's warm start reads the i-th value of each whatever
+            # N is: with one, adding an example shifted every other example's age (its
+            # ``randint`` started after N + 1 uniforms), and the charge held for zero-out
+            # neighbours only (review).
             g = oprandom.generator_from_key(oprandom.fold_in(self._key, 2**62))
             recent = torch.rand(n, generator=g, dtype=torch.float64) < (b - 1) * q / (1.0 + (b - 1) * q)
-            ago = torch.randint(1, b, (n,), generator=g)
+            g_ago = oprandom.generator_from_key(oprandom.fold_in(self._key, 2**62 + 1))
+            ago = torch.randint(1, b, (n,), generator=g_ago)
             last = torch.where(recent, -ago, last)
         return last
 

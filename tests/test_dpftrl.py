@@ -492,6 +492,75 @@ def test_checkpointer_restores_correlated_noise_mid_epoch(tmp_path):
     assert torch.equal(model.weight, model2.weight) and opt2.noise_state.step == 6
 
 
+def test_a_correlated_noise_state_resumes_only_under_the_sampler_it_was_saved_with():
+    """The accountant charges the whole run under the sampler the optimizer holds. An optimizer
+    state restored beside a fresh sampler of another scheme (same q and N), fast-forwarded past
+    the saved steps, was charged as if the new pattern had drawn the steps already run: b = 2
+    -> 6 reported epsilon 2.57 for a participation worth 5.75, and a new key alone let one
+    example take part twice 1 step apart where b = 4 was charged (review). Refused; the same
+    scheme and key, fast-forwarded the same way, resumes bit for bit."""
+    from opake_compile.sampling import BMinSepSampler
+
+    key = opake.random.key
+    cases = [
+        (lambda: BMinSepSampler(40, 0.5, 2, key(1)), lambda: BMinSepSampler(40, 0.5, 6, key(1)), "min_separation"),
+        (lambda: BMinSepSampler(40, 0.5, 4, key(1)), lambda: BMinSepSampler(40, 0.5, 4, key(3)), "key"),
+        (lambda: CyclicPoissonSampler(40, 0.5, 2, key(1), steps=12),
+         lambda: CyclicPoissonSampler(40, 0.5, 4, key(1), steps=12), "bands"),
+    ]
+
+    def forever(sampler):  # epoch after epoch
+        while True:
+            yield from sampler
+
+    def step(opt, param, draw):
+        g = torch.full((10,), float(len(draw)), dtype=torch.float64)
+        opt.step(_clipped({"w": g}, 1.0, params={"w": param}), draw=draw)
+
+    for make_old, make_new, field in cases:
+        strategy = dpftrl.band_mf_strategy(24, 2) if field == "bands" else dpftrl.blt_strategy(24, 2, restarts=1)
+        noise = lambda: dpftrl.mf_gaussian_noise(strategy, 4.0, key(2))
+        param, opt = _opt_with(noise(), make_old())
+        draws = forever(opt.sampler)
+        for _ in range(5):
+            step(opt, param, next(draws))
+        state, saved_param = opt.state_dict(), param.detach().clone()
+        step(opt, param, next(draws))
+
+        fresh_param, fresh = _opt_with(noise(), make_new())
+        with pytest.raises(CheckpointError, match=f"sampler has {field}="):
+            fresh.load_state_dict(state)
+        assert fresh.steps == 0 and fresh.noise_state.step == 0  # nothing restored
+
+        # The sampler it was saved with, built again and fast-forwarded: the same sixth step.
+        again_param, again = _opt_with(noise(), make_old())
+        with torch.no_grad():
+            again_param.copy_(saved_param)
+        again.load_state_dict(state)
+        again_draws = forever(again.sampler)
+        for _ in range(5):
+            next(again_draws)
+        step(again, again_param, next(again_draws))
+        assert torch.equal(again_param.detach(), param.detach()) and again.steps == 6
+
+
+def test_a_correlated_noise_state_without_its_samplers_scheme_is_refused():
+    """A state from before the scheme was recorded cannot show which sampler it ran under."""
+    from opake_compile.sampling import BMinSepSampler
+
+    make = lambda: _opt_with(dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(12, 2), 4.0, opake.random.key(2)),
+                             BMinSepSampler(40, 0.5, 2, opake.random.key(1)))
+    param, opt = make()
+    draw = next(iter(opt.sampler))
+    opt.step(_clipped({"w": torch.ones(10, dtype=torch.float64)}, 1.0, params={"w": param}), draw=draw)
+    state = opt.state_dict()
+    del state["sampler_scheme"]
+    with pytest.raises(CheckpointError, match="does not record its sampler's scheme"):
+        make()[1].load_state_dict(state)
+    unstepped = make()[1]
+    unstepped.load_state_dict(make()[1].state_dict())  # a state at step 0 charged nothing yet
+
+
 # ------------------------------------------------------- what a review found (correlated noise)
 def test_the_mechanisms_configuration_cannot_change_after_it_is_accounted():
     """``fn.noise_multiplier = 0.05`` after the optimizer was built cut the noise 80-fold while

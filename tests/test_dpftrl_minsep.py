@@ -17,7 +17,7 @@ from opake_compile import accounting as acc
 from opake_compile import dpftrl
 from opake_compile.dpsgd._types import ClippedPytree
 from opake_compile.exceptions import CheckpointError, ConfigurationError, PrivacyBudgetExhaustedError
-from opake_compile.sampling import BallsInBinsSampler, BMinSepSampler, SequentialBatchSampler
+from opake_compile.sampling import BallsInBinsSampler, BMinSepSampler, CyclicPoissonSampler, PoissonSampler, SequentialBatchSampler
 
 T = 9
 FAST = acc.Accountant("pld", value_discretization_interval=1e-3)
@@ -252,3 +252,35 @@ def test_optimizer_identity_with_balls_in_bins_and_refusals():
         _step(opt, param, draw)
     assert opt.process == acc.b_min_sep(band, 2.0, 6, steps=12)
     assert opt.process.noise_multiplier == pytest.approx(2.0 / math.sqrt(2), rel=1e-12)  # 3 bands <= 6: disjoint rows
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: PoissonSampler(n, 0.3, key=opake.random.key(1)),
+        lambda n: CyclicPoissonSampler(n, 0.3, 3, opake.random.key(1), steps=6),
+        lambda n: BMinSepSampler(n, 0.3, 3, opake.random.key(1)),
+        lambda n: BMinSepSampler(n, 0.2, 5, opake.random.key(4)),
+        lambda n: BallsInBinsSampler(n, 5, opake.random.key(1)),
+    ],
+    ids=["poisson", "cyclic", "bminsep3", "bminsep5", "balls_in_bins"],
+)
+def test_adding_an_example_leaves_every_other_examples_participation_unchanged(make):
+    """The add-or-remove charge of these samplers assumes that example N (added) changes no one
+    else's steps. ``BMinSepSampler``'s warm start drew every example's age after N + 1 uniforms
+    from one stream, so adding an example moved the others' ages (4 of 20 steps differed at
+    N = 50): its charge held for zero-out neighbours only (review)."""
+
+    def steps_of_the_first(sampler, n, count):
+        out, it = [], iter(sampler)
+        while len(out) < count:
+            try:
+                draw = next(it)
+            except StopIteration:
+                it = iter(sampler)
+                continue
+            out.append(sorted(i for i in draw if i < n))
+        return out
+
+    for n in (50, 301):
+        assert steps_of_the_first(make(n), n, 30) == steps_of_the_first(make(n + 1), n, 30)
