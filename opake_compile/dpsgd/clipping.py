@@ -318,9 +318,13 @@ def _per_example_outputs(
         return fun(*a)
 
     from opake_compile.compiler._rnn import recurrent_ops  # noqa: PLC0415 - the compiler imports this module
+    from opake_compile.compiler.trace import _own_batching_rules_only  # noqa: PLC0415
 
     in_dims = tuple(0 if i in batch_argnums else None for i in range(len(args)))
-    with recurrent_ops():  # RNN/GRU/LSTM and packed sequences under vmap, as compile_dp traces them
+    # RNN/GRU/LSTM and packed sequences under vmap, as compile_dp traces them; batching rules
+    # that are not torch's refused, as compile_dp refuses them (a user autograd.Function's vmap
+    # staticmethod that mixed the batch moved this sum by 8.57 C: review).
+    with recurrent_ops(), _own_batching_rules_only():
         return torch.func.vmap(per_example, in_dims=in_dims, randomness="different")(*args)
 
 
