@@ -1489,6 +1489,102 @@ def test_public_constants_and_schedules_beside_the_batch_still_train():
         assert step.num_calls == 5, name
 
 
+_ROWS_IN_BATCH = 1.0  # set by a loop before each call (test below)
+
+
+def _rows_normalised_loss(m, ids, labels):
+    return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / _ROWS_IN_BATCH
+
+
+class _DividesByAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+        self.rows = 1.0
+
+    def forward(self, ids):
+        return self.net(ids) / self.rows
+
+
+def test_a_count_of_the_batch_in_a_global_closure_or_module_attribute_is_refused():
+    """The batch-count check watched only the step's arguments: ``loss / N`` with a global
+    ``N = len(batch)`` traced again at each new value, and removing one example moved the
+    clipped sum by 1.63 C (review). A number the trace bakes in is watched once it has changed
+    (a constant never follows a count), so it is refused at its third count after the first
+    call. A schedule there still trains."""
+    global _ROWS_IN_BATCH
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8], [1, 1, 1, 1, 1, 1]])  # 4, 5, 4, 3, 6 rows
+
+    def run(step, set_value, values, refused_at=None, match=None):
+        for t, ((ids, labels), v) in enumerate(zip(batches, values)):
+            set_value(v)
+            if t == refused_at:
+                with pytest.raises(ConfigurationError, match=match):
+                    step(ids, labels)
+                assert step.num_calls == refused_at
+                return
+            step(ids, labels)
+        assert step.num_calls == len(values)
+
+    rows = [float(len(ids)) for ids, _ in batches]
+    step = compile_dp(_rows_normalised_loss, model=model, clipping_norm=0.1, backend=None)
+    run(step, lambda v: globals().__setitem__("_ROWS_IN_BATCH", v), rows, 3,
+        r"Global '_ROWS_IN_BATCH' of the loss '_rows_normalised_loss' = 3.0: it has equalled the batch size")
+
+    rows_now = 1.0
+
+    def closure_loss(m, ids, labels):
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), reduction="sum") / rows_now
+
+    def set_closure(v):
+        nonlocal rows_now
+        rows_now = v
+
+    step = compile_dp(closure_loss, model=model, clipping_norm=0.1, backend=None)
+    run(step, set_closure, rows, 3, r"Closure variable 'rows_now' of the loss .*closure_loss' = 3.0: it has equalled")
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        divides = _DividesByAttribute()
+    step = compile_dp(lambda m, ids, labels: F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), reduction="sum"),
+                      model=divides, clipping_norm=0.1, backend=None)
+    run(step, lambda v: setattr(divides, "rows", v), [1 / r for r in rows], 3,
+        r"Attribute 'rows' of module 'the model' \(_DividesByAttribute\) = 0.333.*its inverse has equalled the batch size")
+
+    # A public schedule in the global trains; a constant never changes.
+    step = compile_dp(_rows_normalised_loss, model=model, clipping_norm=0.1, backend=None)
+    run(step, lambda v: globals().__setitem__("_ROWS_IN_BATCH", v), [1.0 + 0.5 * t for t in range(5)])
+    assert step._watched  # (watched: it changed)
+    _ROWS_IN_BATCH = 1.0
+
+
+def test_a_refused_count_stays_refused_while_it_follows_the_count():
+    """The refusal did not stick: after the third count, calls at one of the first two counts
+    ran again with the number still equal to them (review). The refused call's point is kept;
+    a number that leaves the line (a constant from then on) trains."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+
+    def loss(m, ids, labels, n):
+        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n
+
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8]])  # 4, 5, 4, 3 rows
+    step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
+    step(*batches[0], 4.0)
+    step(*batches[1], 5.0)
+    for ids, labels in (batches[3], batches[0], batches[1], batches[2]):
+        with pytest.raises(ConfigurationError, match="has equalled the batch size"):
+            step(ids, labels, float(len(ids)))
+    assert step.num_calls == 2
+    step(*batches[0], 8.0)  # a public constant from now on
+    step(*batches[3], 8.0)
+    assert step.num_calls == 4
+
+
 def test_a_logical_batch_beyond_the_float32_partial_sums_limit_is_refused():
     """2^18 aligned rows in 64 float32 chunks of 4096 moved the sum by 1.00017 C on removing one
     (review): every chunk after the removed row rounds differently. Beyond 2^16 rows of float32
@@ -1529,3 +1625,23 @@ def test_a_loss_that_mixes_examples_warns_and_the_step_has_a_repr():
         plain = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=model, clipping_norm=1.0, backend="aot_eager")
         plain(x, y)  # an ordinary loss does not warn
     assert repr(plain).startswith("DPStep(loss_fn=") and "physical_batch_size=" in repr(plain) and "calls=1" in repr(plain)
+
+
+def test_autocast_around_the_call_is_part_of_the_graphs_signature():
+    """A graph traced under ``torch.autocast`` has its casts built in: a step first called under
+    bfloat16 autocast went on running bfloat16 products outside it, and the other way round
+    (review). Each state now finds its own graphs, and both give what a fresh step gives."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+    loss = lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum")  # noqa: E731
+    make = lambda: compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=16)  # noqa: E731
+    step = make()
+    for on in (True, False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):
+            got = step(x, y).clipped.grads
+            want = make()(x, y).clipped.grads
+        for k in want:
+            assert torch.equal(got[k], want[k]), (on, k)
+    assert step.num_traces == 2  # the third call found the first call's graph

@@ -195,6 +195,80 @@ def test_an_embedding_with_max_norm_is_refused_naming_the_module(kind, trainable
     check_model_supported(model)
 
 
+class _CountsCalls(nn.Module):
+    def __init__(self, guarded: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.guarded = guarded
+
+    def forward(self, x):
+        if not (self.guarded and torch.compiler.is_compiling()):
+            self.calls.add_(1)  # no data in it, but one write per chunk run
+        return self.fc(x)
+
+
+def test_a_forward_that_writes_model_state_in_place_is_refused_naming_it():
+    """A write into a buffer that does not depend on the examples still counts the chunks the
+    step runs: a call counter rose by 2, 0, 1, 3, 4 for batches of 8, 0, 3, 9, 13 examples at
+    physical_batch_size=4, and spectral_norm's power-iteration vectors moved by 0, 4.7e-4 and
+    7.4e-4 for 0, 1 and 2 chunks (review). Refused before anything runs; a write skipped while
+    compiling, and spectral_norm in eval(), train."""
+    from torch.nn.utils import parametrizations
+
+    loss = lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum")  # noqa: E731
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    model = _CountsCalls()
+    step = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=4)
+    with pytest.raises(UnsupportedOperationError, match=r"writes into the model's buffer 'calls' \(of _CountsCalls\) in place \(add_"):
+        step(x, y)
+    assert float(model.calls) == 0 and step.num_calls == 0
+    guarded = _CountsCalls(guarded=True)
+    compile_dp(loss, model=guarded, clipping_norm=1.0, backend="aot_eager", physical_batch_size=4)(x, y)
+    assert float(guarded.calls) == 0
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    parametrizations.spectral_norm(net[0])
+    u = net[0].parametrizations.weight[0]._u.clone()
+    step = compile_dp(loss, model=net, clipping_norm=1.0, backend="aot_eager", physical_batch_size=4)
+    with pytest.raises(UnsupportedOperationError, match=r"buffer '0.parametrizations.weight.0._u' .*spectral_norm"):
+        step(x, y)
+    assert torch.equal(net[0].parametrizations.weight[0]._u, u)
+    net[0].eval()
+    assert torch.isfinite(step(x, y).clipped.grads["0.parametrizations.weight.original"]).all()
+    assert torch.equal(net[0].parametrizations.weight[0]._u, u)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_is_named_in_the_refusal(use_reentrant):
+    """The refusal blamed the root module with advice about .item() and data branches (review);
+    it now names activation checkpointing and how to turn it off."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=use_reentrant))
+
+    step = compile_dp(lambda m, x: m(x).sum(), model=Net(), clipping_norm=1.0, backend="aot_eager")
+    with pytest.raises(UnsupportedOperationError, match=r"activation checkpointing \(torch.utils.checkpoint\).*gradient_checkpointing_disable"):
+        step(torch.randn(4, 4))
+
+
+def test_a_trainable_sparse_embedding_is_refused_naming_the_module():
+    """It failed with a message about the SparseCPU backend (review)."""
+    model = nn.Sequential(nn.Embedding(20, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
+    with pytest.raises(UnsupportedOperationError, match=r"'0' \(Embedding\) has sparse=True"):
+        compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend="aot_eager")(torch.randint(0, 20, (4, 3)))
+    model[0].weight.requires_grad_(False)  # frozen: no gradient, nothing to refuse
+    check_model_supported(model)
+
+
 def test_data_dependent_control_flow_is_refused():
     case = mlp_case(seed=0)
 

@@ -160,6 +160,15 @@ def _precision_settings() -> tuple:
     )
 
 
+def _autocast_state() -> tuple:
+    """Whether ``torch.autocast`` is on for the CPU and CUDA, and its dtype there: a trace bakes
+    the casts in."""
+    return (
+        torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"),
+        torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+    )
+
+
 def _same_constants(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> bool:
     """Whether two graphs of the same code read equal non-tensor attributes and no tensor
     constant. A tensor constant is the tensor the model or the loss held at the trace (a plain
@@ -349,6 +358,11 @@ class DPStep:
         self._programs = _Programs(_LossReader(loss_fn))  # the programs graphs were traced under (_program)
         self._repeat: _Repeat | None = None  # what a call like the last one reuses (_call_again)
         self._scalars = _ScalarWatch()  # unbatched numbers that follow a count of the batch
+        # Numbers the trace bakes in (_program_numbers): those of the last view read, each one's
+        # first value, and those that changed since (watched against the batch's counts).
+        self._numbers: tuple[Any, list[tuple[tuple, float]]] = (None, [])
+        self._first_numbers: dict[tuple, float] = {}
+        self._watched: set[tuple] = set()
         self._warned_zero = False  # (_warn_if_every_gradient_vanishes)
         self._counter = CompileCounter(backend) if backend is not None else None
         self.num_traces = 0
@@ -436,8 +450,10 @@ class DPStep:
             return None
         _num.check_gradual_underflow()
         view = self._read_model()
-        if view is not repeat.view or _num.float32_matmul_is_ieee() != repeat.ieee:
+        if view is not repeat.view or _num.float32_matmul_is_ieee() != repeat.ieee or _autocast_state() != repeat.autocast:
             return None
+        if self._watched:
+            self._watch_numbers(view, args, repeat.batched)
         chunks = self._plan.planned(n)
         if chunks is None:
             return None
@@ -466,6 +482,7 @@ class DPStep:
         n = check_batch_size(args, batched)
         _num.check_gradual_underflow()
         view = self._read_model()
+        self._watch_numbers(view, args, batched)  # before anything runs or changes
         params, buffers, trainable = view.params, view.buffers, view.trainable
         if not trainable:
             raise InputTypeError("The model has no trainable parameter (requires_grad=True): nothing to privatise.")
@@ -497,6 +514,7 @@ class DPStep:
                 parts=base[1],
                 view=view,
                 ieee=base[-1],
+                autocast=base[-2],
                 graphs={p: c for (b, p), c in self._cache.items() if b == base},
             )
         return result
@@ -631,6 +649,41 @@ class DPStep:
         base = self._signature(args, batched, self._read_model())
         return self._cache.get((base, self._plan.plan(n)[0][1]))
 
+    def _watch_numbers(self, view: _ModelView, args: tuple, batched: tuple[int, ...]) -> None:
+        """Refuse a number the trace bakes in (a global, closure variable or
+        ``functools.partial`` argument of the loss, a module attribute) that tracks a count of
+        the batch, as :class:`_ScalarWatch` refuses such arguments. ``loss / N`` with a global
+        ``N = len(batch)`` traced again at each new value, and removing one example moved the
+        clipped sum by 1.63 C (review). Only numbers that have changed since the step first saw
+        them are watched (a constant never follows a count; reading the counts costs a pass
+        over the batch), so such a number is refused from its third count after its first
+        change. Read again when the view is (the model's or the loss's Python changed)."""
+        last_view, numbers = self._numbers
+        if view is not last_view:
+            numbers = _program_numbers(view, self._programs.loss)
+            self._numbers = (view, numbers)
+        first, watched = self._first_numbers, self._watched
+        extra = []
+        for path, v in numbers:
+            was = first.setdefault(path, v)
+            if path in watched or was != v:
+                watched.add(path)
+                extra.append((path, v))
+        if extra:
+            self._scalars.check(args, batched, extra, functools.partial(self._describe_number, view))
+
+    def _describe_number(self, view: _ModelView, path: tuple) -> str:
+        entry = "" if len(path) == 3 else f" (entry {path[3]})"
+        if path[0] == "module":
+            module = view.modules[path[1]]
+            name = next((n for n, m in self.model.named_modules() if m is module), "?") or "the model"
+            return f"Attribute {path[2]!r} of module {name!r} ({type(module).__name__}){entry}"
+        if path[0] == "partial":
+            return f"Argument {path[2]} of the loss's functools.partial (layer {path[1]}){entry}"
+        fn = self._programs.loss.functions[path[1]]
+        kind = "Closure variable" if path[0] == "closure" else "Global"
+        return f"{kind} {path[2]!r} of the loss {fn.__qualname__!r}{entry}"
+
     def _batched_positions(self, nargs: int) -> tuple[int, ...]:
         if self.batch_argnums is None:
             return tuple(range(nargs))
@@ -672,7 +725,10 @@ class DPStep:
         # the matrix-product precision in force when they trace: a graph traced under IEEE
         # float32 must not run once TF32 or bfloat16 passes are allowed (an example's
         # contribution reached 1.007 C that way), so a changed setting traces again.
-        return (treedef, tuple(parts), view.trainable, model_state, device, modes, program, _num.float32_matmul_is_ieee())
+        # So does torch.autocast around the call: a graph traced under it has its casts built in
+        # (a step first called under bfloat16 autocast ran bfloat16 products outside it: review).
+        return (treedef, tuple(parts), view.trainable, model_state, device, modes, program, _autocast_state(),
+                _num.float32_matmul_is_ieee())
 
     def _get_compiled(self, sig: Any, args: tuple, batched: tuple[int, ...], p: int) -> _Compiled:
         """The graph for signature ``sig`` (see :meth:`_signature`), traced and lowered on a miss."""
@@ -974,8 +1030,12 @@ class _ScalarWatch:
         # (count, value) pairs seen while every call kept to one line through them.
         self._last: dict[tuple[int, ...], dict[tuple, list[tuple[float, float]]]] = {}
 
-    def check(self, args: tuple, batched: tuple[int, ...]) -> None:
-        scalars = _scalar_leaves(args, batched)
+    def check(self, args: tuple, batched: tuple[int, ...], extra: list[tuple[tuple, float]] | None = None,
+              describe: Callable[[tuple], str] | None = None) -> None:
+        """Refuse (``ConfigurationError``) a number that tracks a count of this call's batch.
+        Without ``extra``: the numbers in the arguments outside ``batched``; with it, those
+        ``(path, value)`` pairs instead (numbers the trace bakes in, named by ``describe``)."""
+        scalars = _scalar_leaves(args, batched) if extra is None else extra
         if not scalars:
             return
         # (identity, value, description): the identity is the same at every call. Compared within
@@ -996,7 +1056,7 @@ class _ScalarWatch:
                 counts[(leaf, cut, kind)] = (c, f"the {_KINDS[kind]} of argument {leaf[0]} (leaf {leaf[1]}){cut}")
         except (RuntimeError, NotImplementedError, TypeError):
             pass  # (a tensor kind without these reductions: the batch size is still compared)
-        seen = {}
+        seen, refusal = {}, None
         for path, v in scalars:
             prev = self._last.get(path)
             kept: dict[tuple, list[tuple[float, float]]] = {}
@@ -1010,21 +1070,30 @@ class _ScalarWatch:
             for (ident, form), points in kept.items():
                 equal = len(points) >= self.EQUAL_AFTER and all(
                     cc >= 3 and abs(yy - cc) <= 1e-6 * cc for cc, yy in points)
-                if equal or len(points) >= self.LINE_AFTER:
+                if refusal is None and (equal or len(points) >= self.LINE_AFTER):
                     c, what = counts[ident]
                     subject = "its inverse has" if form == "1/x" else "it has"
                     how = f"{subject} equalled" if equal else f"{subject} followed a line a*count + b of"
-                    raise ConfigurationError(
-                        f"Argument {path[0]} (leaf {path[1]}{'' if len(path) == 2 else f', entry {path[2]}'}) = {v!r}: "
+                    name = (
+                        f"Argument {path[0]} (leaf {path[1]}{'' if len(path) == 2 else f', entry {path[2]}'})"
+                        if describe is None else describe(path)
+                    )
+                    refusal = ConfigurationError(
+                        f"{name} = {v!r}: "
                         f"{how} {what} at every call, while that "
                         f"count took the values {sorted(cc for cc, _ in points)}: a number computed from the batch "
-                        "and passed beside it (a token count, the batch size) lets one example rescale every "
+                        "and given to the step beside it (an argument, or a global, closure variable or module "
+                        "attribute the loss reads: a token count, the batch size) lets one example rescale every "
                         "other's contribution, so that removing it moves the clipped sum by more than C. Compute "
                         "it per example inside the loss (e.g. each sequence's own token count from its mask), or "
                         "pass a public constant (the expected count). Nothing was computed or changed."
                     )
             seen[path] = kept
+        # The refused call's point is kept: a later call on the same line (a count seen before)
+        # is refused again; a number that leaves it (a constant from now on) is not.
         self._last.update(seen)
+        if refusal is not None:
+            raise refusal
 
 
 def _on_one_line(points: list[tuple[float, float]], c: float, y: float) -> list[tuple[float, float]] | None:
@@ -1054,6 +1123,32 @@ _KINDS = {"numel": "number of entries", "sum": "sum", "nonzero": "non-zero entri
 _SMALL_TENSOR = 16
 
 
+def _number_values(leaf: Any) -> list[float] | None:
+    """The values a batch count could hide in: a real number, or each entry of a small tensor
+    or array (up to ``_SMALL_TENSOR`` entries); ``None`` for anything else."""
+    try:
+        if is_real_number(leaf):
+            return [float(leaf)]
+        if (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_nested
+                and 1 <= leaf.numel() <= _SMALL_TENSOR and not leaf.is_complex() and leaf.dtype != torch.bool
+                and not leaf.is_meta and not isinstance(leaf, torch._subclasses.FakeTensor)):
+            return [float(x) for x in leaf.detach().reshape(-1).tolist()]
+        if (isinstance(leaf, np.ndarray) and 1 <= leaf.size <= _SMALL_TENSOR
+                and (np.issubdtype(leaf.dtype, np.integer) or np.issubdtype(leaf.dtype, np.floating))):
+            return [float(x) for x in leaf.reshape(-1).tolist()]
+    except (OverflowError, RuntimeError, TypeError, ValueError):
+        pass  # (not a number this check can compare; the call decides what it is)
+    return None
+
+
+def _numbered(path: tuple, values: list[float] | None) -> list[tuple[tuple, float]]:
+    """``(path, value)`` per finite non-zero value; an entry's index appended when there are
+    several."""
+    if values is None:
+        return []
+    return [(path if len(values) == 1 else (*path, k), v) for k, v in enumerate(values) if math.isfinite(v) and v != 0]
+
+
 def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[int, ...], float]]:
     """``((argument, leaf), value)`` of every finite non-zero number outside the batched
     arguments, and ``((argument, leaf, entry), value)`` of each entry of a small tensor or
@@ -1063,23 +1158,32 @@ def _scalar_leaves(args: tuple, batched: tuple[int, ...]) -> list[tuple[tuple[in
         if i in batched:
             continue
         for j, leaf in enumerate(optree.tree_leaves(a, none_is_leaf=True)):
-            try:
-                if is_real_number(leaf):
-                    values = [float(leaf)]
-                elif (isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and not leaf.is_nested
-                      and 1 <= leaf.numel() <= _SMALL_TENSOR and not leaf.is_complex() and leaf.dtype != torch.bool
-                      and not leaf.is_meta):
-                    values = [float(x) for x in leaf.detach().reshape(-1).tolist()]
-                elif (isinstance(leaf, np.ndarray) and 1 <= leaf.size <= _SMALL_TENSOR
-                      and (np.issubdtype(leaf.dtype, np.integer) or np.issubdtype(leaf.dtype, np.floating))):
-                    values = [float(x) for x in leaf.reshape(-1).tolist()]
-                else:
-                    continue
-            except (OverflowError, RuntimeError, TypeError, ValueError):
-                continue  # (not a number this check can compare; the call decides what it is)
-            for k, v in enumerate(values):
-                if math.isfinite(v) and v != 0:
-                    out.append(((i, j) if len(values) == 1 else (i, j, k), v))
+            out += _numbered((i, j), _number_values(leaf))
+    return out
+
+
+def _program_numbers(view: "_ModelView", loss: "_LossReader | None") -> list[tuple[tuple, float]]:
+    """The numbers a trace bakes in beside the arguments (:func:`_program`): each module's
+    number attributes (``("module", index, name[, entry])``), and the loss's
+    ``functools.partial`` arguments, closure variables and the globals its code loads
+    (``("partial", layer, leaf[, entry])``, ``("closure" | "global", function, name[, entry])``).
+    A changed one traces again; :meth:`DPStep._watch_numbers` also watches it against the
+    batch's counts."""
+    _, attrs, _, reading, _, _ = view.program
+    out = []
+    for index, values in enumerate(attrs):
+        for name, value in values.items():
+            if type(value) not in _CONTAINERS:
+                out += _numbered(("module", index, name), _number_values(value))
+    if loss is not None:
+        k = len(loss.partials)
+        for layer, (pargs, pkw) in enumerate(reading[:k]):
+            for j, leaf in enumerate(optree.tree_leaves((pargs, pkw), none_is_leaf=True)):
+                out += _numbered(("partial", layer, j), _number_values(leaf))
+        for f, (fn, read) in enumerate(zip(loss.functions, reading[k:])):
+            for kind, names, values in (("closure", fn.__code__.co_freevars, read[3]), ("global", loss.globals_of(fn), read[4])):
+                for name, value in zip(names, values):
+                    out += _numbered((kind, f, name), _number_values(value))
     return out
 
 
@@ -1140,6 +1244,7 @@ class _Repeat:
     parts: tuple
     view: "_ModelView"
     ieee: bool
+    autocast: tuple
     graphs: dict[int, _Compiled]
 
 

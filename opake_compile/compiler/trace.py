@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import traceback
 import warnings
@@ -149,6 +150,15 @@ def relax_stride_assumptions(gm: fx.GraphModule) -> int:
     return count
 
 
+def _inside_activation_checkpointing(err: BaseException) -> bool:
+    """Whether ``err`` was raised inside ``torch.utils.checkpoint`` (read from the traceback):
+    its message then speaks of saved-tensor hooks or an ``autograd.Function`` without a vmap
+    rule, and the module named is the one that called it (review: the root, or GPT-2's
+    embedding)."""
+    suffix = os.path.join("torch", "utils", "checkpoint.py")
+    return any(frame.f_code.co_filename.endswith(suffix) for frame, _ in traceback.walk_tb(err.__traceback__))
+
+
 def _failing_module(model: nn.Module, err: BaseException) -> str:
     """`` in module 'name' (Type)`` for the innermost module of ``model`` whose code was running
     when ``err`` was raised (read from the traceback), or ``""`` if none was."""
@@ -260,8 +270,8 @@ def check_model_supported(model: nn.Module) -> None:
             update would leak every example into a buffer. An ``nn.Embedding`` or
             ``nn.EmbeddingBag`` with ``max_norm``: its forward rescales, in place, the weight
             rows that the batch's ids pick (in every mode, trainable or not), a write of the
-            batch into the model outside the clipped, noised gradient. The message names the
-            module.
+            batch into the model outside the clipped, noised gradient; a trainable one with
+            ``sparse=True`` (sparse gradients). The message names the module.
     """
     from torch.nn.modules import module as _module
 
@@ -278,6 +288,13 @@ def check_model_supported(model: nn.Module) -> None:
                 "clipped and noised gradient. Build it with max_norm=None (clipping bounds each example's "
                 "gradient instead), or renormalise the weight yourself after the optimizer step."
             )
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and mod.sparse and mod.weight.requires_grad:
+            raise UnsupportedOperationError(
+                f"{where} has sparse=True: its gradient is a sparse tensor, which the per-example "
+                "transform cannot form or clip. Build it with sparse=False: compile_dp never forms an "
+                "embedding's dense per-example gradient (its norm is computed from the rows each example "
+                "uses), so the dense sum costs one table-sized gradient, as in non-private training."
+            )
         if not isinstance(mod, nn.modules.batchnorm._BatchNorm):
             continue
         if mod.training:
@@ -292,6 +309,58 @@ def check_model_supported(model: nn.Module) -> None:
                 "with the statistics of the batch in every mode: that mixes examples. Use "
                 "GroupNorm/LayerNorm instead."
             )
+
+
+def _written_inputs(gm: fx.GraphModule) -> Iterator[tuple[fx.Node, fx.Node]]:
+    """``(placeholder, node)`` for each operator ``node`` of the graph that writes into a
+    graph input in place (an argument its schema marks as written, ``out=`` included, reached
+    through views of the input)."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = node.kwargs.get(arg.name) if arg.kwarg_only or i >= len(node.args) else node.args[i]
+            while isinstance(value, fx.Node) and value.op == "call_function" and isinstance(value.target, torch._ops.OpOverload):
+                first = value.target._schema.arguments[:1]
+                if not first or first[0].alias_info is None or first[0].alias_info.is_write:
+                    break
+                value = value.args[0]  # a view: its base
+            if isinstance(value, fx.Node) and value.op == "placeholder":
+                yield value, node
+
+
+def _check_no_state_written(gm: fx.GraphModule, model: nn.Module, state_names: Sequence[str]) -> None:
+    """Refuse a forward that writes into the model's parameters or buffers in place, even with
+    values that do not depend on the examples (a call counter, ``spectral_norm``'s power
+    iteration): the step runs the graph once per physical chunk, and not at all for an empty
+    batch, so the state would count the chunks, a function of the batch size that no noise
+    covers, and it ships with the model (review: a counter rose by 2, 0, 1, 3, 4 for batches of
+    8, 0, 3, 9, 13 examples at physical_batch_size=4). Writes of per-example values are refused
+    while tracing (:func:`_writes_into_shared_state`)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {p: i for i, p in enumerate(placeholders[: len(state_names)])}
+    for placeholder, node in _written_inputs(gm):
+        i = index.get(placeholder)
+        if i is None:
+            continue
+        kind, name = state_names[i].split(":", 1) if ":" in state_names[i] else ("param", state_names[i])
+        what = "buffer" if kind == "buffer" else "parameter"
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        module = type(model.get_submodule(owner)).__name__ if owner else type(model).__name__
+        raise UnsupportedOperationError(
+            f"The forward writes into the model's {what} {name!r} (of {module}) in place "
+            f"({node.target.__name__}): compile_dp runs the forward once per physical chunk of the "
+            "batch, and not at all for an empty batch, so the "
+            f"{what} would count the chunks, a function of the private batch size that no noise covers "
+            "(and it ships with the model). Keep such updates out of the forward while training "
+            "privately (skip them when torch.compiler.is_compiling()), and make them once per step "
+            "yourself after optimizer.step() if they do not depend on the data. spectral_norm in "
+            "training mode updates its power-iteration vectors this way: put that module in eval() "
+            "for the step and run its power iteration on the updated weight after each step."
+        )
 
 
 def _split_args(
@@ -669,6 +738,14 @@ def trace_per_example_grads(
                 "(the step calls loss_fn(model, *args) with them as passed, e.g. step(x, y) for "
                 "loss_fn(model, x, y); class labels are integers)."
             ) from err
+        if _inside_activation_checkpointing(err):
+            raise UnsupportedOperationError(
+                f"Could not trace the per-example gradient of loss_fn{where}: it runs activation "
+                "checkpointing (torch.utils.checkpoint), which torch.func cannot differentiate per "
+                f"example ({type(err).__name__}: {err}). Turn it off for the private step (transformers "
+                "models: model.gradient_checkpointing_disable()): compile_dp does not keep per-example "
+                "gradients, so its memory is close to the non-private step's without recomputation."
+            ) from err
         raise UnsupportedOperationError(
             f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "
             "compile_dp needs a loss whose operations are traceable without looking at data "
@@ -677,6 +754,7 @@ def trace_per_example_grads(
             "or freeze its parameters (requires_grad=False) if it need not be trained."
         ) from err
     _check_operand_dtypes(gm, named, tensor_leaves, tensor_kinds)
+    _check_no_state_written(gm, model, trainable + others)
     _check_depends_on_parameters(gm, trainable)
     first_leaf = n_tr + n_ot + 2
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
