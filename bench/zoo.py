@@ -81,6 +81,35 @@ def _gpt2(size: str, *, lora: bool = False):
     return model, loss_fn, make_batch
 
 
+def _decoder(kind: str, size: str):
+    """A Llama-style decoder (RMSNorm, rotary positions, grouped-query attention), or Mixtral's
+    mixture of experts on it (top-2 of 4 experts per token, transformers' "batched_mm" expert
+    kernel: the default one groups tokens by expert with data-dependent shapes)."""
+    import transformers
+
+    tiny = size == "tiny"
+    d, heads = (32, 4) if tiny else (768, 12)
+    common = dict(hidden_size=d, intermediate_size=2 * d if tiny else 2048, num_hidden_layers=2, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2, vocab_size=101 if tiny else 8192, max_position_embeddings=64 if tiny else 512,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        cfg = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
+        model = transformers.MixtralForCausalLM(cfg)
+    t = 12 if tiny else 256
+
+    def make_batch(b: int, g: torch.Generator) -> tuple:
+        ids = torch.randint(1, common["vocab_size"], (b, t), generator=g)
+        return (ids, _padding_mask(_lengths(b, t, g), t))
+
+    def loss_fn(m: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        labels = ids.masked_fill(mask == 0, -100)
+        return m(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    return model, loss_fn, make_batch
+
+
 def _encoder_classifier(kind: str, size: str, *, lora: bool = False):
     import transformers
 
@@ -329,6 +358,8 @@ ZOO: dict[str, Entry] = {
     e.name: e
     for e in (
         Entry("gpt2", "GPT-2 (tied LM head, SDPA attention, 2-D padding mask)", _gpt2, ("transformers",)),
+        Entry("llama", "Llama decoder (RMSNorm, rotary, grouped-query attention), 2-D padding mask", lambda s: _decoder("llama", s), ("transformers",)),
+        Entry("mixtral", "Mixtral mixture of experts (top-2 of 4, batched_mm experts), 2-D padding mask", lambda s: _decoder("mixtral", s), ("transformers",)),
         Entry("bert", "BERT sequence classifier, 2-D padding mask", lambda s: _encoder_classifier("bert", s), ("transformers",)),
         Entry("roberta", "RoBERTa sequence classifier, 2-D padding mask", lambda s: _encoder_classifier("roberta", s), ("transformers",)),
         Entry("t5", "T5 encoder-decoder, 2-D padding mask", _t5, ("transformers",)),

@@ -611,11 +611,60 @@ def _spec_augment_in_graph(mod: nn.Module) -> Callable[..., torch.Tensor]:
     return mask_hidden_states
 
 
+#: Fingerprints of Whisper's ``_mask_input_features`` (and the ``_compute_mask_indices`` it
+#: calls) whose masks :func:`_whisper_spec_augment_in_graph` reproduces (transformers 5).
+_KNOWN_INPUT_FEATURE_MASKS = frozenset({("48d5b2ce1e6b8c8b", "574a9b55f067a14f")})
+
+
+def _whisper_spec_augment_in_graph(mod: nn.Module) -> Callable[..., torch.Tensor]:
+    """Whisper's SpecAugment (``_mask_input_features``: zeroed frames and zeroed feature rows of
+    the log-mel input) with its masks drawn in the graph, per example, as
+    :func:`_spec_augment_in_graph` does for the wav2vec2 family. transformers draws them with
+    NumPy, so a trace froze one mask into the graph for every example and every step (review:
+    four steps gave bit-identical sums). Code not recognised is refused when it would draw."""
+    original = mod._mask_input_features
+    try:
+        known = (_fingerprint(type(mod)._mask_input_features),
+                 _fingerprint(type(mod)._mask_input_features.__globals__["_compute_mask_indices"])) in _KNOWN_INPUT_FEATURE_MASKS
+    except Exception:  # noqa: BLE001 - no source, another structure: not recognised
+        known = False
+
+    def mask_input_features(input_features: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        config = mod.config
+        if not getattr(config, "apply_spec_augment", True) or not mod.training:
+            return input_features
+        draws_time, draws_feature = config.mask_time_prob > 0, config.mask_feature_prob > 0
+        if not (draws_time or draws_feature):
+            return input_features
+        if not known:
+            raise UnsupportedOperationError(
+                f"{type(mod).__name__} applies SpecAugment in training mode (config.mask_time_prob="
+                f"{config.mask_time_prob}, mask_feature_prob={config.mask_feature_prob}) with a "
+                "_mask_input_features that compile_dp does not recognise (another transformers version?): its "
+                "NumPy masks would be frozen into the graph. Set config.apply_spec_augment = False, or mask "
+                "the features in your data pipeline."
+            )
+        batch, features, frames = input_features.shape
+        if draws_time:
+            lengths = None if attention_mask is None else attention_mask.sum(-1)
+            time_mask = _span_mask(batch, frames, config.mask_time_prob, config.mask_time_length,
+                                   config.mask_time_min_masks, lengths, input_features.device)
+            input_features = torch.where(time_mask[:, None, :], 0.0, input_features)
+        if draws_feature:
+            feature_mask = _span_mask(batch, features, config.mask_feature_prob, config.mask_feature_length,
+                                      config.mask_feature_min_masks, None, input_features.device)
+            input_features = torch.where(feature_mask[:, :, None], 0.0, input_features)
+        return input_features
+
+    return mask_input_features
+
+
 # (method name, the methods it needs, shim factory): methods replaced on the instances of the
 # traced model that have them, as instance attributes, while tracing only.
 _METHOD_SHIMS: tuple[tuple[str, tuple[str, ...], Callable[[nn.Module], Callable[..., Any]]], ...] = (
     ("_get_feature_vector_attention_mask", ("_get_feat_extract_output_lengths",), _feature_vector_attention_mask),
     ("_mask_hidden_states", ("_get_feat_extract_output_lengths",), _spec_augment_in_graph),
+    ("_mask_input_features", (), _whisper_spec_augment_in_graph),
 )
 
 

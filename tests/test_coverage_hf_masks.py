@@ -626,6 +626,51 @@ def test_unrecognised_spec_augment_is_refused_by_name(monkeypatch: pytest.Monkey
         step(*_audio_batch())
 
 
+def _tiny_whisper(**overrides):  # noqa: ANN003, ANN202
+    import transformers
+
+    cfg = transformers.WhisperConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=101, num_mel_bins=8, max_source_positions=8,
+        max_target_positions=16, pad_token_id=1, decoder_start_token_id=2, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0, **overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.WhisperForConditionalGeneration(cfg).train()
+
+
+def test_whisper_spec_augment_is_drawn_in_the_graph_per_example_and_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whisper masks its log-mel input in ``_mask_input_features`` with NumPy: the trace froze one
+    mask for every example and every step (four steps, bit-identical sums: review). Drawn in
+    the graph now: each step redraws, and a step replays from its key; unrecognised code is
+    refused by name."""
+    from opake_compile import patches
+
+    model = _tiny_whisper(apply_spec_augment=True, mask_time_prob=0.5, mask_time_length=2, mask_feature_prob=0.5, mask_feature_length=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        x, labels = torch.randn(3, 8, 16), torch.randint(3, 101, (3, 6))
+    loss = lambda m, x, lab: m(input_features=x, labels=lab).loss  # noqa: E731
+    step = opake.compile_dp(loss, model=model, clipping_norm=1e-3, backend="aot_eager", physical_batch_size=3, key=opake.random.key(4))
+    saved = step.state_dict()
+    first, second = step(x, labels), step(x, labels)
+    assert all(c.traced.has_randomness for c in step._cache.values())
+    assert not torch.equal(first.clipped.per_example_norms, second.clipped.per_example_norms)
+    step.load_state_dict(saved)
+    assert torch.equal(step(x, labels).clipped.per_example_norms, first.clipped.per_example_norms)
+    model.config.apply_spec_augment = False  # off: the traced graph draws nothing
+    off = opake.compile_dp(loss, model=model, clipping_norm=1e-3, backend="aot_eager", physical_batch_size=3)
+    off(x, labels)
+    assert not any(c.traced.has_randomness for c in off._cache.values())
+
+    monkeypatch.setattr(patches, "_KNOWN_INPUT_FEATURE_MASKS", frozenset())
+    model.config.apply_spec_augment = True
+    refused = opake.compile_dp(loss, model=model, clipping_norm=1e-3, backend="aot_eager", physical_batch_size=3)
+    with pytest.raises(opake.exceptions.UnsupportedOperationError, match="_mask_input_features that compile_dp does not recognise"):
+        refused(x, labels)
+
+
 def test_runtime_patches_are_an_explicit_global_opt_in() -> None:
     """``apply_runtime_patches`` makes the eager ``vmap`` reference work with a 2-D mask;
     ``remove_runtime_patches`` restores the library."""

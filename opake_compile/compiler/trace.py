@@ -746,12 +746,16 @@ def trace_per_example_grads(
                 "models: model.gradient_checkpointing_disable()): compile_dp does not keep per-example "
                 "gradients, so its memory is close to the non-private step's without recomputation."
             ) from err
+        # transformers' mixture-of-experts blocks (MixtralExperts, ...): the default kernels
+        # group tokens by expert with data-dependent shapes; "batched_mm" traces (review).
+        experts = " (transformers mixture of experts: build the model with experts_implementation=\"batched_mm\")" if (
+            "Experts)" in where) else ""
         raise UnsupportedOperationError(
             f"Could not trace the per-example gradient of loss_fn{where} ({type(err).__name__}: {err}). "
             "compile_dp needs a loss whose operations are traceable without looking at data "
             "values (no Python branches on tensor values, no .item()) and have vmap rules: "
             "rewrite that code with tensor ops (torch.where instead of an if on a tensor), "
-            "or freeze its parameters (requires_grad=False) if it need not be trained."
+            f"or freeze its parameters (requires_grad=False) if it need not be trained{experts}."
         ) from err
     _check_operand_dtypes(gm, named, tensor_leaves, tensor_kinds)
     _check_no_state_written(gm, model, trainable + others)

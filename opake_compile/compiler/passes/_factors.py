@@ -44,6 +44,7 @@ from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
     NORM_DTYPE,
+    SUM_SLICE_ROWS,
     emit_sq_sum,
     emit_sum_sq_bound,
     float32_matmul_is_ieee,
@@ -1118,7 +1119,12 @@ def emit_clipped_sum(
             flat_ids = em(aten.reshape.default, f.a, [p * k])
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
-            term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
+            if acc == torch.float32 and p * k > SUM_SLICE_ROWS:
+                # A table row adds its occurrences in sequence: an id in every position of
+                # aligned examples rounds alike at each addition (SUM_SLICE_ROWS). Scattered in
+                # float64 (exact products of float32 values), rounded once.
+                flat_b = _as_dtype(em, flat_b, NORM_DTYPE)
+            term = _as_dtype(em, em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False), acc)
         elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
             # every layer's masked copies alive at once.
@@ -1126,7 +1132,16 @@ def emit_clipped_sum(
             at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
             b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
             a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
-            term = em(aten.mm.default, a_rows, em(aten.reshape.default, b, [p * k, c]))
+            b_rows = em(aten.reshape.default, b, [p * k, c])
+            if acc == torch.float32 and p * k > SUM_SLICE_ROWS:
+                # One float32 product per slice of SUM_SLICE_ROWS rows, added in float64 (a
+                # long contraction rounds aligned rows alike at every addition).
+                x = em(aten.view.default, a_rows, [1, r, p * k])
+                y = em(aten.view.default, b_rows, [1, p * k, c])
+                total64 = em(SLICED_GRAM, x, y, SUM_SLICE_ROWS)
+                term = _as_dtype(em, em(aten.view.default, total64, [r, c]), acc)
+            else:
+                term = em(aten.mm.default, a_rows, b_rows)
         else:
             # A^T (P, K, R) is usually a view of a contiguous tensor (output gradients), so the
             # operator reads both factors in (example, k)-major order without a copy; the

@@ -67,7 +67,9 @@ things are needed:
    exact contribution ``f_i G_i`` has norm at most ``C_eff <= C``.
 
 3. *A sum whose rounding no example can amplify.* The released sum is one product over
-   (example, position) rows in the sum dtype. Its error is at most ``u`` times the sizes of the
+   (example, position) rows in the sum dtype, cut, in float32, into products of at most
+   :data:`SUM_SLICE_ROWS` rows added in float64 (aligned rows round the same way at every
+   addition of a long contraction: see that constant). Its error is at most ``u`` times the sizes of the
    terms and partial sums it adds, which are set by the masses ``f_j S_j`` of *all* examples,
    not by their norms: examples whose positions nearly cancel (mass far above norm) would let
    rounding carry more than C through the sum (measured before this contract: 1.18 C). The
@@ -170,6 +172,7 @@ __all__ = [
     "NORM_DTYPE",
     "KAPPA",
     "MAX_FLOAT32_SUM_ROWS",
+    "SUM_SLICE_ROWS",
     "MAX_FLOAT32_LOGICAL_ROWS",
     "check_float32_rows",
     "RHO",
@@ -319,6 +322,18 @@ def clip_scale(sum_dtype: torch.dtype) -> float:
 #: quarter of the slack), and the sums of several graphs, physical batches or ranks are added
 #: in float64 (:func:`add_partial`), up to :data:`MAX_FLOAT32_LOGICAL_ROWS` in one logical batch.
 MAX_FLOAT32_SUM_ROWS = 4096
+
+#: Most (example, position) rows one float32 product of the released sum contracts over. A
+#: book-keeping sum is one product over every row of every example (``sum_i f_i A_i^T B_i``,
+#: K = P T rows), and a BLAS accumulates its contraction nearly in sequence: aligned rows
+#: (identical examples, same-signed terms) round the same way at every addition, so the error of
+#: the removed example's share grows like K u, not like the sqrt(K) u of independent roundings
+#: that rho assumes (review: removing one of 4096 aligned examples of T = 64 moved the sum by
+#: 1.009 C on the default path, 1.95 C at T = 4096). Longer contractions are cut into slices of
+#: this many rows, each a float32 product added to a float64 total (:func:`~._kernels.sliced_gram`,
+#: ``opake::bookkeeping_mm``; the one-hot (embedding) sums scatter in float64): an aligned
+#: slice errs by at most about 2^-12 of the share it loses, a quarter of the slack.
+SUM_SLICE_ROWS = 4096
 
 #: Most examples one logical batch (on one rank) may sum from float32 partial sums. Adding the
 #: partial sums in float64 does not remove their own rounding, and removing one example shifts
