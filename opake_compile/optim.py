@@ -49,6 +49,7 @@ from opake_compile.dpsgd._types import check_not_released as _check_not_released
 from opake_compile.dpsgd._types import check_release as _check_release
 from opake_compile.dpsgd._types import record_release as _record_release
 from opake_compile.dpsgd._types import sum_tensors as _sum_tensors
+from opake_compile.dpftrl.noise import mark_held_by_optimizer
 from opake_compile.dpsgd.noise import add_gaussian_noise
 from opake_compile.exceptions import (
     CheckpointError,
@@ -397,6 +398,8 @@ class DPOptimizer:
                 truncated_batch_size=self.truncated_batch_size,
             )
         _claim_key(key, self)
+        if self._noise_state is not None:
+            mark_held_by_optimizer(self._noise_state)  # (built: a refused construction marks nothing)
 
     # ------------------------------------------------- the privacy configuration
     # Read-only: the noise, the normalisation and the accounting must always use the same
@@ -751,9 +754,10 @@ class DPOptimizer:
                 "No state was changed."
             )
         _check_noise_scale(self.noise_multiplier * clipped.clipping_norm, targets, self.expected_batch_size)
-        noised, new_state = self._noise_fn(clipped, self._noise_state)
+        noised, new_state = self._noise_fn(clipped, self._noise_state, _by_optimizer=True)
 
         def commit() -> None:
+            mark_held_by_optimizer(new_state)
             self._noise_state = new_state
             self._key = new_state.key
             self._steps += 1
@@ -963,6 +967,7 @@ class DPOptimizer:
         except (KeyError, TypeError, ValueError) as err:  # torch's own checks (group sizes), before it writes
             raise CheckpointError(f"The wrapped optimizer's state does not fit it: {err}") from err
         if noise_state is not None:
+            mark_held_by_optimizer(noise_state)
             self._noise_state = noise_state
         self._key = key
         self._steps = steps

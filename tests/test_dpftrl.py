@@ -640,3 +640,31 @@ def test_a_strategy_that_is_not_normalised_is_refused():
     with pytest.raises(ConfigurationError, match=r"n=200 steps is 1.00"):
         dataclasses.replace(blt, n=200)
     assert dataclasses.replace(blt, n=10).n == 10
+
+
+def test_a_noise_state_an_optimizer_holds_or_used_is_refused_to_anyone_else():
+    """``noise_fn(other_sum, opt.noise_state)`` drew the optimizer's next noise, and the pair the
+    optimizer was built with its first (review): two releases with one noise, their difference
+    noiseless. The mechanism refuses such states; a refused construction marks nothing, and a
+    user's own pair keeps the JAX-style semantics (same state, same noise)."""
+    key = opake.random.key
+    fn, first_state = dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(12, 2), 4.0, key(2))
+    with pytest.raises(ConfigurationError):  # not a Poisson-like sampler for this strategy: refused
+        _opt_with((fn, first_state), PoissonSampler(40, 0.5, key=key(1)))
+    fn(_clipped({"w": torch.zeros(10, dtype=torch.float64)}), first_state)  # still the user's
+
+    fn, state = dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(12, 2), 4.0, key(3))
+    param, opt = _opt_with((fn, state), SequentialBatchSampler(60, 10, key=key(1)))
+    other = {"w": torch.ones(10, dtype=torch.float64)}
+    for held in (opt.noise_state, state):
+        with pytest.raises(ConfigurationError, match="belongs to a DPOptimizer"):
+            fn(_clipped(other), held)
+    _run(opt, param, opt.sampler, 2)
+    for held in (opt.noise_state, state):
+        with pytest.raises(ConfigurationError, match="belongs to a DPOptimizer"):
+            fn(_clipped(other), held)
+    restored_param, restored = _opt_with(dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(12, 2), 4.0, key(3)),
+                                         SequentialBatchSampler(60, 10, key=key(1)))
+    restored.load_state_dict(opt.state_dict())
+    with pytest.raises(ConfigurationError, match="belongs to a DPOptimizer"):
+        fn(_clipped(other), restored.noise_state)

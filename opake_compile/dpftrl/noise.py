@@ -62,6 +62,17 @@ class MFNoiseState(NamedTuple):
     replay_keys: tuple = ()
 
 
+#: The attribute a ``DPOptimizer`` sets on the key of every noise state it holds (see
+#: :meth:`MFGaussianNoise.__call__`); copies of the key carry it too.
+OPTIMIZER_KEY_MARK = "_opake_held_by_an_optimizer"
+
+
+def mark_held_by_optimizer(state: "MFNoiseState") -> None:
+    """Mark ``state`` (its key object) as a ``DPOptimizer``'s: the mechanism refuses it from
+    anyone else, for good."""
+    object.__setattr__(state.key, OPTIMIZER_KEY_MARK, True)
+
+
 def _draw_dtype(leaf: torch.Tensor) -> torch.dtype:
     return torch.float64 if leaf.dtype == torch.float64 else torch.float32
 
@@ -143,7 +154,7 @@ class MFGaussianNoise:
             new.append(tuple(nb))
         return ys, tuple(new), ()
 
-    def __call__(self, clipped: ClippedPytree, state: MFNoiseState) -> tuple[NoisedPytree, MFNoiseState]:
+    def __call__(self, clipped: ClippedPytree, state: MFNoiseState, *, _by_optimizer: bool = False) -> tuple[NoisedPytree, MFNoiseState]:
         """Add this step's correlated noise to ``clipped``.
 
         Raises:
@@ -151,7 +162,9 @@ class MFGaussianNoise:
                 :class:`MFNoiseState`.
             ConfigurationError: C = inf with sigma > 0; the strategy's ``n`` steps are used up;
                 the buffers do not match the gradient's leaves; the sum (or a part of it) was
-                released before (here, by ``gaussian_noise`` or by ``DPOptimizer.step``).
+                released before (here, by ``gaussian_noise`` or by ``DPOptimizer.step``); the
+                state is one a ``DPOptimizer`` holds or has used (its ``noise_state``, or the
+                pair it was built with): its noise is that optimizer's.
         """
         if not isinstance(clipped, ClippedPytree):
             raise InputTypeError(
@@ -159,6 +172,14 @@ class MFGaussianNoise:
             )
         if not isinstance(state, MFNoiseState):
             raise InputTypeError(f"Expected an MFNoiseState, got {type(state).__name__}.")
+        if not _by_optimizer and getattr(state.key, OPTIMIZER_KEY_MARK, False):
+            # (review: noise_fn(other_sum, opt.noise_state) drew the optimizer's next noise)
+            raise ConfigurationError(
+                "This noise state belongs to a DPOptimizer (its noise_state, or the pair it was built "
+                "with): its noise is the noise of one of that optimizer's steps, and adding it to another "
+                "sum here would release that noise twice (the difference of the two releases carries "
+                "none). Let the optimizer add it, or build a mechanism of your own with a fresh key."
+            )
         c = clipped.clipping_norm
         sigma = self.noise_multiplier
         if math.isinf(c) and sigma > 0:
