@@ -1645,3 +1645,26 @@ def test_autocast_around_the_call_is_part_of_the_graphs_signature():
         for k in want:
             assert torch.equal(got[k], want[k]), (on, k)
     assert step.num_traces == 2  # the third call found the first call's graph
+
+
+def test_a_watched_number_off_every_counts_line_is_no_longer_read_against_the_batch():
+    """Watching reads the batch's counts at every call (a pass over the batch). A number that
+    changed once (a public schedule) and then stayed while the count moved follows no count:
+    it is dropped, and later calls read no counts."""
+    global _ROWS_IN_BATCH
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8], [1, 1, 1, 1, 1, 1]])
+    step = compile_dp(_rows_normalised_loss, model=model, clipping_norm=0.1, backend=None)
+    reads = []
+    original = step._scalars.check
+    step._scalars.check = lambda *a, **k: (reads.append(1), original(*a, **k))[1]
+    try:
+        for t, (ids, labels) in enumerate(batches):
+            _ROWS_IN_BATCH = 1.0 if t == 0 else 2.0  # changes once, then stays
+            step(ids, labels)
+        assert len(reads) == 2  # the change and the next call (off the line); none after
+        assert step.num_calls == 5
+    finally:
+        _ROWS_IN_BATCH = 1.0

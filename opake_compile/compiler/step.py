@@ -662,11 +662,11 @@ class DPStep:
         if view is not last_view:
             numbers = _program_numbers(view, self._programs.loss)
             self._numbers = (view, numbers)
-        first, watched = self._first_numbers, self._watched
+        first, watched, points = self._first_numbers, self._watched, self._scalars._last
         extra = []
         for path, v in numbers:
             was = first.setdefault(path, v)
-            if path in watched or was != v:
+            if (path in watched or was != v) and points.get(path) != {}:  # ({}: off every count's line for good)
                 watched.add(path)
                 extra.append((path, v))
         if extra:
