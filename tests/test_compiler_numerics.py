@@ -48,7 +48,8 @@ def test_gamma_and_rho():
     assert numerics.gamma(2**24, 2.0**-24) == math.inf  # fails closed
     assert numerics.rho(torch.float32) == 2.0**-10 and numerics.rho(torch.float64) == 2.0**-40
     assert numerics.effective_clipping_norm(2.0, torch.bfloat16) == pytest.approx(2.0 / (1 + 2.0**-10), rel=1e-15)
-    assert numerics.sum_dtype(torch.float16) == torch.float32 and numerics.sum_dtype(torch.float64) == torch.float64
+    assert numerics.sum_dtype(torch.float16) == torch.float64 and numerics.sum_dtype(torch.float32) == torch.float64
+    assert numerics.slack_dtype(torch.float16) == torch.float32 and numerics.slack_dtype(torch.float64) == torch.float64
 
 
 def test_round_down_never_rounds_up():
@@ -126,8 +127,8 @@ def test_low_precision_model_releases_a_float32_sum(p):
     y = torch.zeros(256, dtype=torch.long)
     step = compile_dp(lambda m, x, y: F.cross_entropy(m(x).float(), y), model=mlp, clipping_norm=1.0, physical_batch_size=p, backend="aot_eager")
     out = step(x, y).clipped
-    # float32 in one graph; several chunks add up in float64 (never in bfloat16)
-    assert {g.dtype for g in out.grads.values()} == {torch.float32 if p == 256 else torch.float64}
+    # float64, in one graph or several (never in bfloat16)
+    assert {g.dtype for g in out.grads.values()} == {torch.float64}
     assert removal_ratio(step, (x, y), 1.0, removals=1) <= 1.0
 
 
@@ -458,12 +459,9 @@ def test_a_long_contraction_of_aligned_rows_moves_the_sum_by_at_most_c(case):
     long contraction nearly in sequence, and aligned rows (identical examples) then round the
     same way at every addition. Removing one of 4096 identical examples of 64 positions moved
     the released sum by 1.009 C on the default path, likewise through the fused product, an
-    embedding's scatter and a convolution's Gram path, and by 1.95 C at T = 4096 (review). The
-    caps counted examples; the length that matters is rows times positions. Now every float32
-    contraction of the released sum is cut into slices of SUM_SLICE_ROWS rows added in float64
-    (the embedding scatters in float64)."""
+    embedding's scatter and a convolution's Gram path, and by 1.95 C at T = 4096 (review).
+    Every sum across examples is float64 now (exact products of the float32 factors)."""
     b, t = 4096, 64
-    assert b * t > numerics.SUM_SLICE_ROWS
     c = 1.2697867137638703  # (a mantissa at which the old sum's rounding reached 1.009 C)
     ones = lambda *s: torch.ones(*s)  # noqa: E731
     if case.startswith("linear"):
@@ -479,7 +477,30 @@ def test_a_long_contraction_of_aligned_rows_moves_the_sum_by_at_most_c(case):
     assert ratio <= 1.0
 
 
-def test_partial_sums_add_in_float64_across_chunks_parts_and_one_graph_stays_float32():
+@pytest.mark.parametrize("case", ["linear, one graph", "linear, 4 chunks", "embedding"])
+def test_one_example_cannot_steer_how_the_others_round(case):
+    """A float32 accumulation can be steered: one example ("lifter") that puts every later
+    partial sum above 4096, where 3 * 2^-12 is 1.5 grid steps, makes each of 2039 small terms
+    after it round up by half a step (ties to even): +C/4 per 4096 examples, gone with the
+    lifter. Removing the first example moved the sum by 1.245 C in one graph, 1.99 C over four
+    chunks (each chunk carries a lifter, and the removal shifts every chunk) and 1.245 C
+    through an embedding (review; 4.98 C over 16 chunks). Float64 sums: the lifter's own
+    share (0.996 C)."""
+    c, lifter, small = 2.0, 1.9921875, 3 * 2.0**-12  # every norm below C_eff: clip factors 1
+    unit = [lifter] * 2056 + [0.09375] + [small] * 2039  # 4096 examples of one position
+    chunks = 4 if case == "linear, 4 chunks" else 1
+    y = torch.tensor(unit * chunks).view(-1, 1, 1)
+    if case == "embedding":
+        model, x, y = nn.Embedding(64, 2), torch.zeros(y.shape[0], 1, dtype=torch.long), y * torch.tensor([1.0, 0.0])
+    else:
+        model, x = nn.Linear(1, 1, bias=False), torch.ones(y.shape[0], 1, 1)
+    step = compile_dp(lambda m, x, y: (m(x) * y).sum(), model=model, clipping_norm=c, backend="aot_eager",
+                      physical_batch_size=4096)
+    moved = step(x, y).clipped.grads["weight"].double() - step(x[1:], y[1:]).clipped.grads["weight"].double()
+    assert float(moved.norm()) / c <= 1.0
+
+
+def test_partial_sums_add_in_float64_across_chunks_parts_and_graphs():
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
@@ -488,7 +509,7 @@ def test_partial_sums_add_in_float64_across_chunks_parts_and_one_graph_stays_flo
     x = torch.randn(8, 3, generator=_gen(1))
     one = step(x[:4]).clipped
     two = step(x).clipped
-    assert all(t.dtype == torch.float32 for t in one.grads.values())
+    assert all(t.dtype == torch.float64 for t in one.grads.values())  # (released sums are float64)
     assert all(t.dtype == torch.float64 for t in two.grads.values())
     acc = accumulate([one, step(x[4:]).clipped])
     assert all(t.dtype == torch.float64 for t in acc.grads.values())

@@ -1398,18 +1398,23 @@ def _token_batches(lengths_per_batch, seed=0):
     return out
 
 
+def _token_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+
+
+def _token_loss_over(m, ids, labels, n):
+    """A token-level summed loss divided by a number given beside the batch."""
+    return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n
+
+
 def test_an_unbatched_number_that_follows_a_count_of_the_batch_is_refused():
     # A token-level loss divided by the batch's token count, passed beside the batch: removing
     # one example rescaled every other, 1.52 C (review). Refused once it has equalled the count
     # at every call while the count took three values (fewer calls cannot tell it from a
     # public number that happens to equal a count).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
-
-    def loss(m, ids, labels, n_tokens):
-        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n_tokens
-
+    model, loss = _token_model(), _token_loss_over
     batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8]])  # 18, 27, 13, 24 tokens
     for wrap in (float, torch.tensor):
         step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
@@ -1434,9 +1439,7 @@ def test_a_transformed_count_of_the_batch_is_refused():
     # Forms the first version missed (review): a next-token loss's count of its shifted labels,
     # and counts on a line a * count + b (count + 1, twice the count, the inverse of either).
     # Equality takes three values of the count; a line, which any two points fix, five.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    model = _token_model()
 
     def loss(m, ids, labels, n_tokens):
         n = torch.as_tensor(n_tokens).reshape(-1)[-1]  # (the last entry of a packed tensor)
@@ -1465,9 +1468,7 @@ def test_a_transformed_count_of_the_batch_is_refused():
 def test_public_constants_and_schedules_beside_the_batch_still_train():
     # A first version refused after two matching calls: 11 % of runs passing a step counter
     # beside Poisson batches of about 8, 73 % passing a random integer in 0..10 (review).
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    model = _token_model()
 
     def loss(m, ids, labels, scale):
         return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100) * scale
@@ -1513,9 +1514,7 @@ def test_a_count_of_the_batch_in_a_global_closure_or_module_attribute_is_refused
     (a constant never follows a count), so it is refused at its third count after the first
     call. A schedule there still trains."""
     global _ROWS_IN_BATCH
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    model = _token_model()
     batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8], [1, 1, 1, 1, 1, 1]])  # 4, 5, 4, 3, 6 rows
 
     def run(step, set_value, values, refused_at=None, match=None):
@@ -1565,13 +1564,7 @@ def test_a_refused_count_stays_refused_while_it_follows_the_count():
     """The refusal did not stick: after the third count, calls at one of the first two counts
     ran again with the number still equal to them (review). The refused call's point is kept;
     a number that leaves the line (a constant from then on) trains."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
-
-    def loss(m, ids, labels, n):
-        return F.cross_entropy(m(ids).reshape(-1, 20), labels.reshape(-1), ignore_index=-100, reduction="sum") / n
-
+    model, loss = _token_model(), _token_loss_over
     batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8]])  # 4, 5, 4, 3 rows
     step = compile_dp(loss, model=model, clipping_norm=0.1, backend=None, batch_argnums=(0, 1))
     step(*batches[0], 4.0)
@@ -1594,7 +1587,7 @@ def test_a_logical_batch_beyond_the_float32_partial_sums_limit_is_refused():
     from opake_compile.compiler.passes import numerics
 
     n = numerics.MAX_FLOAT32_LOGICAL_ROWS + 1
-    with pytest.raises(ConfigurationError, match=f"{n} examples in one logical batch"):
+    with pytest.raises(ConfigurationError, match=f"{n} examples of a float32 .or lower-precision. model in one logical batch"):
         step(torch.randn(n, 4))
     assert step.num_calls == 0
     wide = nn.Linear(4, 1, bias=False).double()
@@ -1652,9 +1645,7 @@ def test_a_watched_number_off_every_counts_line_is_no_longer_read_against_the_ba
     changed once (a public schedule) and then stayed while the count moved follows no count:
     it is dropped, and later calls read no counts."""
     global _ROWS_IN_BATCH
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 20))
+    model = _token_model()
     batches = _token_batches([[3, 5, 8, 2], [8, 8, 1, 4, 6], [2, 2, 2, 7], [8, 8, 8], [1, 1, 1, 1, 1, 1]])
     step = compile_dp(_rows_normalised_loss, model=model, clipping_norm=0.1, backend=None)
     reads = []

@@ -279,7 +279,8 @@ def test_empty_batch_step_counts_and_is_pure_noise():
     # (Its own sampler: one DPOptimizer charges a sampler's draws.)
     opt2 = _dp(torch.optim.SGD(twin.model.parameters(), lr=1.0), sigma=1.5, sampler=_sampler(n=50, q=0.1), key=2)
     params = dict(twin.model.named_parameters())
-    _drawn(opt2).step(ClippedPytree(grads={k: torch.zeros_like(p) for k, p in params.items()}, clipping_norm=0.8,
+    # (The step's sums are float64, and the noise is drawn in the sum's dtype.)
+    _drawn(opt2).step(ClippedPytree(grads={k: torch.zeros_like(p, dtype=torch.float64) for k, p in params.items()}, clipping_norm=0.8,
                             per_example_norms=torch.zeros(0), num_examples=0, parameters=params))
     for (k, p), q in zip(case.model.named_parameters(), twin.model.parameters()):
         assert torch.equal(p, q), k
@@ -450,13 +451,13 @@ def test_accumulate_refusals():
     # rows shift between parts on a removal (numerics.MAX_FLOAT32_LOGICAL_ROWS; review).
     big = [ClippedPytree(grads={"w": torch.zeros(3)}, clipping_norm=1.0, per_example_norms=torch.zeros(0),
                          num_examples=40000, parameters={"w": param}) for _ in range(2)]
-    with pytest.raises(ConfigurationError, match="80000 examples in one logical batch"):
+    with pytest.raises(ConfigurationError, match="80000 examples of a float32 .or lower-precision. model in one logical batch"):
         accumulate(big)
     # A float32 parameter's float64 sums (a compiled call of several float32 chunks) are counted
     # too (review); a float64 parameter's are not limited.
     chunked = [ClippedPytree(grads={"w": torch.zeros(3, dtype=torch.float64)}, clipping_norm=1.0,
                              per_example_norms=torch.zeros(0), num_examples=40000, parameters={"w": param}) for _ in range(2)]
-    with pytest.raises(ConfigurationError, match="80000 examples in one logical batch"):
+    with pytest.raises(ConfigurationError, match="80000 examples of a float32 .or lower-precision. model in one logical batch"):
         accumulate(chunked)
     param64 = nn.Parameter(torch.zeros(3, dtype=torch.float64))
     wide = [ClippedPytree(grads={"w": torch.zeros(3, dtype=torch.float64)}, clipping_norm=1.0,

@@ -848,7 +848,7 @@ class DPStep:
     ) -> DPStepResult:
         first = graphs[chunks[0][1]]
         feed = first.feed  # parameter partition and argument layout: the same in every graph
-        if n > _num.MAX_FLOAT32_SUM_ROWS:  # several chunks: their float32 sums' rounding adds up
+        if n > _num.MAX_FLOAT32_SUM_ROWS:  # several chunks: the worst case of their float64 sums (numerics)
             _num.check_float32_rows(n, [params[k].dtype for k in feed.trainable], "compile_dp")
         state = [params[k].detach() for k in feed.trainable]
         for is_param, name in feed.others:
@@ -979,7 +979,7 @@ class DPStep:
     def _empty_result(self, params: dict[str, torch.Tensor], trainable: tuple[str, ...]) -> DPStepResult:
         device = params[trainable[0]].device
         clipped = ClippedPytree(
-            # Released sums are float32 at least (compiler/passes/numerics.py), empty or not.
+            # Released sums are float64 (compiler/passes/numerics.py), empty or not.
             grads={
                 k: torch.zeros(params[k].shape, dtype=_num.sum_dtype(params[k].dtype), device=device)
                 for k in trainable
@@ -1793,11 +1793,10 @@ def compile_dp(
         physical_batch_size: rows per compiled chunk P, for exactly one graph. Default
             (``None``): buckets on a geometric grid of ratio 1.05 anchored at the first
             non-empty batch size n0, at most n0 + 3 sqrt(n0) (rounded up to 8) rows per chunk.
-            Either way a graph holds at most 4096 rows
-            (``numerics.MAX_FLOAT32_SUM_ROWS``: a float32 sum of more examples rounds on a grid
-            the sensitivity slack cannot absorb); the sums of several chunks are added in
-            float64, so ``clipped.grads`` is float64 for a batch that ran as several chunks, up
-            to ``numerics.MAX_FLOAT32_LOGICAL_ROWS`` = 2^16 examples of a float32 model per call
+            Either way a graph holds at most 4096 rows (``numerics.MAX_FLOAT32_SUM_ROWS``); the
+            sums are float64 (``clipped.grads``: exact products of the factors, accumulated
+            in float64, so that no example can steer how the others round), up to
+            ``numerics.MAX_FLOAT32_LOGICAL_ROWS`` = 2^16 examples of a float32 model per call
             (refused beyond: the chunks' rounding adds up as a removal shifts rows between them).
         max_physical_sizes: the most bucket sizes (graphs per input signature) the default
             compiles; past it, chunks run at the nearest compiled size (more padding, no

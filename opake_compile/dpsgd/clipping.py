@@ -204,8 +204,9 @@ def clip_and_sum(
     The numerical contract of :mod:`opake_compile.compiler.passes.numerics` holds here as in
     the compiled step, and both clip alike: norms and factors in float64, each factor
     ``min(1, C_eff / ||g_i||)`` with ``C_eff = C / (1 + rho)`` (rho: 2^-10 for float32 sums,
-    2^-40 for float64) rounded down, sums in float32 at least (bfloat16 and float16 leaves get
-    float32 sums), so that one example moves the sum by at most C.
+    2^-40 for float64) rounded down, sums accumulated in float64 and returned in float32 at
+    least (bfloat16 and float16 leaves get float32 sums), so that one example moves the sum by
+    at most C.
 
     Args:
         per_example_tree: pytree of tensors of shape ``(B, *leaf_shape)``.
@@ -251,8 +252,8 @@ def _refuse_across_ranks() -> None:
 
 
 def _weighted_sum(per_example_tree: Any, kept: torch.Tensor, factor: torch.Tensor, acc: torch.dtype) -> Any:
-    """``sum_i factor_i g_i`` per leaf in ``acc``, rows not ``kept`` selected away (never
-    multiplied by zero: a non-finite row would give NaN). A float32 sum holds at most
+    """``sum_i factor_i g_i`` per leaf in ``acc`` (accumulated in float64), rows not ``kept``
+    selected away (never multiplied by zero: a non-finite row would give NaN). A float32 sum holds at most
     ``numerics.MAX_FLOAT32_SUM_ROWS`` rows, as one compiled graph does; more rows are summed in
     float64, chunk by chunk (the result is then float64): one float32 sum of 2^18 aligned rows
     moved by 1.019 C on removing one (review), and float32 sums of 4096-row chunks added in
@@ -264,7 +265,11 @@ def _weighted_sum(per_example_tree: Any, kept: torch.Tensor, factor: torch.Tenso
         selected = torch.where(shaped, g, torch.zeros_like(g))
         f = factor.reshape(shaped.shape)
         if rows is None or g.shape[0] <= rows:
-            return (selected.to(acc) * f).sum(dim=0)
+            # Accumulated in float64 and rounded once: a float32 accumulation can be steered by
+            # one example (it lifts the later partial sums into a binade where the others'
+            # terms all round one way: 1.245 C on a compiled sum, review). One rounding of a
+            # total of at most 4096 clipped examples is at most 2^-13 C.
+            return (selected.to(acc) * f).sum(dim=0, dtype=torch.float64).to(acc)
         total = None
         for i in range(0, g.shape[0], rows):
             part = (selected[i:i + rows].to(torch.float64) * f[i:i + rows].to(torch.float64)).sum(dim=0)

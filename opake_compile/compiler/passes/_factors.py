@@ -44,7 +44,6 @@ from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
     NORM_DTYPE,
-    SUM_SLICE_ROWS,
     emit_sq_sum,
     emit_sum_sq_bound,
     float32_matmul_is_ieee,
@@ -1070,34 +1069,33 @@ def emit_clipped_sum(
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
     kept_prefix: fx.Node | None = None,
-    em_factors: Emitter | None = None,
-    cache: dict | None = None,
 ) -> fx.Node:
-    """``sum_i f_i G_i`` as one product per term, shape (R, C), in ``acc``.
+    """``sum_i f_i G_i`` as one product per term, shape (R, C), float64 (``acc`` is the clip
+    factor's dtype).
 
     ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
     :class:`~opake_compile.compiler.passes.rewrites.GhostClipping` for the trade-off).
     ``clip``: the 0-d float64 node of ``C_eff`` (the underflow test of
     :func:`~._kernels.underflow_unsafe` measures against it); ``kept_prefix``: the node of
-    :func:`~._kernels.kept_prefix`, shared by every call in one graph (emitted here when not given).
-    ``em_factors``: an emitter where the factors are live (the norm's), for the per-example
-    bound on the operator's partner operand that spares its host test a pass over it (CPU
-    graphs, float32-or-lower partners; memoised in ``cache``, e.g. q, k and v share theirs)."""
+    :func:`~._kernels.kept_prefix`, shared by every call in one graph (emitted here when not given)."""
     p = shape(factors[0].b)[0] // factors[0].groups
+    # Released sums are float64 (numerics, point 3): float32 (or lower) factors are scaled and
+    # multiplied exactly there and accumulate in float64, where no example can steer the
+    # rounding of the others' terms. Float64 factors keep the float64 analysis below.
+    wide = torch.float64
     # For the in-graph forms (one-hot terms, and dense ones when fused); unused nodes are
     # removed by dead-code elimination.
     keep3 = em(aten.view.default, kept, [p, 1, 1])
     f3 = em(aten.view.default, factor, [p, 1, 1])
-    zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
-    # In-graph float32 products follow the user's matmul precision (TF32 would break the
-    # slack of the released sum), the operator's do not: fused needs IEEE float32 products.
-    fused = bookkeeping == "fused" and (acc != torch.float32 or float32_matmul_is_ieee())
-    if fused or not _kernels._host_reads_are_free(val(kept)):  # (a module attribute: tests patch it)
-        # No host test of the clip factor against the subnormal range here (in-graph
-        # products, or the operator on an accelerator): an example it would catch in any
-        # dense term has its factor zeroed for every term of this parameter together.
-        f3 = em(aten.where.self, keep3, f3, zero)
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=wide)
+    fused = bookkeeping == "fused"
+    if acc == torch.float64 and (fused or not _kernels._host_reads_are_free(val(kept))):  # (a module attribute: tests patch it)
+        # Float64 factors only: no host test of the clip factor against the subnormal range
+        # here (in-graph products, or the operator on an accelerator): an example it would
+        # catch in any dense term has its factor zeroed for every term of this parameter
+        # together. (Float32 factors scale exactly in float64: nothing to catch.)
+        f3 = em(aten.where.self, keep3, f3, em(aten.scalar_tensor.default, 0.0, dtype=acc))
         danger = None
         for f in factors:
             if not f.onehot and f.groups == 1:
@@ -1106,42 +1104,29 @@ def emit_clipped_sum(
                 d = underflow_unsafe(em, f.b, f.rows, f3, clip, acc)
                 danger = d if danger is None else em(aten.logical_or.default, danger, d)
         if danger is not None:
-            f3 = em(aten.where.self, danger, zero, f3)
+            f3 = em(aten.where.self, danger, em(aten.scalar_tensor.default, 0.0, dtype=acc), f3)
             factor = em(aten.view.default, f3, [p])
+    f3w = _as_dtype(em, f3, wide)
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
         if f.groups > 1:
             term = _grouped_sum(em, f, kept, factor, acc)
         elif f.onehot:
-            b = em(aten.where.self, keep3, _b_of(em, f, acc), zero)
-            weighted = em(aten.mul.Tensor, b, f3)
+            b = em(aten.where.self, keep3, _b_of(em, f, wide), zero)
+            weighted = em(aten.mul.Tensor, b, f3w)
             flat_ids = em(aten.reshape.default, f.a, [p * k])
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
-            if acc == torch.float32 and p * k > SUM_SLICE_ROWS:
-                # A table row adds its occurrences in sequence: an id in every position of
-                # aligned examples rounds alike at each addition (SUM_SLICE_ROWS). Scattered in
-                # float64 (exact products of float32 values), rounded once.
-                flat_b = _as_dtype(em, flat_b, NORM_DTYPE)
-            term = _as_dtype(em, em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False), acc)
+            term = em(aten.embedding_dense_backward.default, flat_b, flat_ids, r, pad, False)
         elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
             # every layer's masked copies alive at once.
-            at = em(aten.permute.default, _as_dtype(em, f.a, acc), [0, 2, 1])
-            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3)
-            b = em(aten.where.self, keep3, _as_dtype(em, f.b, acc), zero)
+            at = em(aten.permute.default, _as_dtype(em, f.a, wide), [0, 2, 1])
+            at = em(aten.mul.Tensor, em(aten.where.self, keep3, at, zero), f3w)
+            b = em(aten.where.self, keep3, _as_dtype(em, f.b, wide), zero)
             a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
-            b_rows = em(aten.reshape.default, b, [p * k, c])
-            if acc == torch.float32 and p * k > SUM_SLICE_ROWS:
-                # One float32 product per slice of SUM_SLICE_ROWS rows, added in float64 (a
-                # long contraction rounds aligned rows alike at every addition).
-                x = em(aten.view.default, a_rows, [1, r, p * k])
-                y = em(aten.view.default, b_rows, [1, p * k, c])
-                total64 = em(SLICED_GRAM, x, y, SUM_SLICE_ROWS)
-                term = _as_dtype(em, em(aten.view.default, total64, [r, c]), acc)
-            else:
-                term = em(aten.mm.default, a_rows, b_rows)
+            term = em(aten.mm.default, a_rows, em(aten.reshape.default, b, [p * k, c]))
         else:
             # A^T (P, K, R) is usually a view of a contiguous tensor (output gradients), so the
             # operator reads both factors in (example, k)-major order without a copy; the
@@ -1149,25 +1134,9 @@ def emit_clipped_sum(
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if kept_prefix is None:
                 kept_prefix = _kernels.kept_prefix(kept, em)
-            partner_sq = _partner_sq(em_factors or em, f, {} if cache is None else cache)
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip, partner_sq)
+            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
-
-
-def _partner_sq(em: Emitter, f: Factor, cache: dict) -> fx.Node | None:
-    """Per example, ``(P,)`` float64, an upper bound on the sum of squares of the operand
-    ``opake::bookkeeping_mm`` leaves unscaled on the CPU (:func:`~._kernels.partner_of`):
-    its host-side underflow test compares the largest one's square root with its threshold
-    instead of reading the operand (:func:`~._kernels._caught_on_host`). ``None`` off the
-    CPU (no host test there) and for float64 operands (rare; their squares can overflow where
-    the float64 threshold does not, so the operator reads them instead)."""
-    r, c = shape(f.a)[1], shape(f.b)[2]  # the operator's R and C: at = A^T is (P, K, R)
-    partner, n = (f.b, f.k * c) if _kernels.partner_of(r, c) == "b" else (f.a, f.k * r)
-    v = val(partner)
-    if not _kernels._host_reads_are_free(v) or v.dtype == NORM_DTYPE or not v.dtype.is_floating_point:
-        return None
-    return _sum_sq_bound_all(em, cache, partner, n)
 
 
 def _sum_sq_bound_all(em: Emitter, cache: dict, x: fx.Node, n: int) -> fx.Node:
@@ -1224,4 +1193,4 @@ def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: to
         a = em(aten.mul.Tensor, a, f4)
     a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])
     b = em(aten.reshape.default, em(aten.permute.default, b, [1, 0, 2, 3]), [ng, p * k, c])
-    return _as_dtype(em, em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c]), acc)
+    return em(aten.reshape.default, em(aten.bmm.default, a, b), [ng * r, c])  # (float64: released sums are)

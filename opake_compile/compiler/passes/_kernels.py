@@ -19,13 +19,7 @@ import math
 import torch
 
 from opake_compile.compiler._graph_utils import val
-from opake_compile.compiler.passes.numerics import (
-    HALF_SUBNORMAL_LOG2,
-    SUM_SLICE_ROWS,
-    UNDERFLOW_SHARE,
-    float32_matmul_is_ieee,
-    ieee_float32_matmul,
-)
+from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, float32_matmul_is_ieee, ieee_float32_matmul
 from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
@@ -72,7 +66,8 @@ def bookkeeping_mm(
             steps). Without it, or for any other partner, the test reads the operand.
 
     Returns:
-        ``(R, C)`` in ``factor.dtype``.
+        ``(R, C)`` float64: float32 (or lower) factors are scaled and multiplied exactly and
+        summed in float64 (:func:`_wide_bookkeeping`); float64 ones as described below.
 
     Raises:
         UnsupportedOperationError: a float64 example whose operands are beyond ~2^890 on
@@ -82,6 +77,8 @@ def bookkeeping_mm(
     p, k, r = at.shape
     c = b.shape[2]
     acc = factor.dtype
+    if acc != torch.float64:
+        return _wide_bookkeeping(at, b, kept, factor, kept_prefix)
     # On CPU reading ``kept`` costs nothing. When the kept examples are exactly the first m
     # rows (every example kept, or a chunk padded at its end: the common case), the excluded
     # rows are sliced off (views: they never enter the product, so their NaN or inf cannot
@@ -130,38 +127,44 @@ def bookkeeping_mm(
 
 def _ieee_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``sum_i left_i^T right_i`` for ``(P, K, R)`` and ``(P, K, C)``: one product over the
-    (example, position) rows, with IEEE float32 products whatever the user's setting (the
-    slack rho of the released sum assumes them; TF32 operands, rounded to 2^-11 of an
-    example's mass, let one example move the sum past C). A float32 contraction over more than
-    :data:`~opake_compile.compiler.passes.numerics.SUM_SLICE_ROWS` rows is formed slice by
-    slice, each slice's product added to a float64 total (returned in float64)."""
+    (example, position) rows, with IEEE float32 products whatever the user's setting (TF32
+    operands, rounded to 2^-11 of an example's mass, let one example move the sum past C)."""
     p, k, r = left.shape
     c = right.shape[2]
-    rows_l, rows_r = left.reshape(p * k, r), right.reshape(p * k, c)
     if left.dtype == torch.float32 and not float32_matmul_is_ieee():
         with ieee_float32_matmul():
-            return _sliced_mm(rows_l, rows_r)
-    return _sliced_mm(rows_l, rows_r)
+            return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
+    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
 
 
-def _sliced_mm(rows_l: torch.Tensor, rows_r: torch.Tensor) -> torch.Tensor:
-    """``rows_l^T rows_r`` for ``(K, R)`` and ``(K, C)``; in float32 beyond ``SUM_SLICE_ROWS``
-    rows, one float32 product per slice of that many rows added to a float64 total in slice
-    order (a BLAS accumulates a long contraction nearly in sequence, and aligned rows then
-    round alike at every addition: review, 1.009-1.95 C without slices)."""
-    n = rows_l.shape[0]
-    if rows_l.dtype != torch.float32 or n <= SUM_SLICE_ROWS:
-        return torch.mm(rows_l.t(), rows_r)
-    part = torch.mm(rows_l[:SUM_SLICE_ROWS].t(), rows_r[:SUM_SLICE_ROWS])
-    total = part.to(torch.float64)
-    for start in range(SUM_SLICE_ROWS, n, SUM_SLICE_ROWS):
-        stop = min(start + SUM_SLICE_ROWS, n)
-        if stop - start == SUM_SLICE_ROWS:
-            torch.mm(rows_l[start:stop].t(), rows_r[start:stop], out=part)
-            total.add_(part)  # float32 into float64: exact cast, one rounding of the sum
-        else:
-            total.add_(torch.mm(rows_l[start:stop].t(), rows_r[start:stop]))
-    return total
+def _wide_bookkeeping(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor,
+                      kept_prefix: torch.Tensor) -> torch.Tensor:
+    """The book-keeping sum of float32 (or lower) factors, formed in float64: the clip factor
+    and every product of two float32 numbers are exact there (so no scaled entry can underflow
+    and no partner can amplify its rounding), and the sum over every (example, position) row
+    accumulates in float64, where no example can steer it.
+
+    A float32 accumulation could be steered: a BLAS adds a contraction nearly in sequence, so
+    one example that lifts every later partial sum into the next binade makes each later small
+    term round the same way (a hostile review: 1.245 C in one graph of 4096 rows, 4.98 C over
+    16 chunks; identical examples alone, 1.009 C at T = 64 and 1.95 C at T = 4096)."""
+    wide = torch.float64
+    p, _, r = at.shape
+    c = b.shape[2]
+    rows = _kept_prefix(kept_prefix)
+    if rows is not None:
+        f3 = factor[:rows].to(wide).view(rows, 1, 1)
+        at, b = at[:rows], b[:rows]
+    else:
+        keep = kept.view(p, 1, 1)
+        f3 = torch.where(keep, factor.view(p, 1, 1), 0).to(wide)
+        at, b = torch.where(keep, at, 0), torch.where(keep, b, 0)
+    if r <= c:  # scale the smaller operand (the products are exact either way)
+        left, right = at.to(wide).mul_(f3), b.to(wide)
+    else:
+        left, right = at.to(wide), b.to(wide).mul_(f3)
+    n = left.shape[0] * left.shape[1]
+    return torch.mm(left.reshape(n, r).t(), right.reshape(n, c))
 
 
 def _split_exact(
@@ -396,7 +399,7 @@ def _(at, b, kept, factor, kept_prefix, clip, partner_sq=None) -> torch.Tensor: 
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
     torch._check(kept_prefix.dim() == 0 and kept_prefix.dtype == torch.int64)
     torch._check(clip.dim() == 0 and clip.dtype == torch.float64)
-    return at.new_empty((at.shape[2], b.shape[2]), dtype=factor.dtype)
+    return at.new_empty((at.shape[2], b.shape[2]), dtype=torch.float64)
 
 
 @torch.library.register_fake("opake::sliced_gram")

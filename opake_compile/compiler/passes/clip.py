@@ -50,7 +50,8 @@ def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
 
 
 def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -> fx.Node:
-    """``sum_i factor[i] * where(kept[i], g[i], 0)`` for g of shape (P, ...), in ``factor``'s dtype.
+    """``sum_i factor[i] * where(kept[i], g[i], 0)`` for g of shape (P, ...), float64 (the
+    products in ``factor``'s dtype).
 
     Written as one select-multiply-reduce so that the backend fuses it into a single reduction
     over examples: no masked copy of ``g`` is ever stored (a matrix product would need one).
@@ -66,7 +67,9 @@ def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -
     zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
     masked = em(aten.where.self, em(aten.view.default, kept, bshape), x, zero)
     weighted = em(aten.mul.Tensor, masked, em(aten.view.default, factor, bshape))
-    return em(aten.sum.dim_IntList, weighted, [0])
+    # Accumulated over the examples in float64 (the released sums are: numerics, point 3);
+    # each f_i g_i is rounded once, in its own example.
+    return em(aten.sum.dim_IntList, weighted, [0], dtype=torch.float64)
 
 
 def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_input: int) -> PassReport:

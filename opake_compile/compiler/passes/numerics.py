@@ -66,42 +66,49 @@ things are needed:
    is computed in float64 and rounded *down* to the sum dtype (:func:`emit_round_down`), so the
    exact contribution ``f_i G_i`` has norm at most ``C_eff <= C``.
 
-3. *A sum whose rounding no example can amplify.* The released sum is one product over
-   (example, position) rows in the sum dtype, cut, in float32, into products of at most
-   :data:`SUM_SLICE_ROWS` rows added in float64 (aligned rows round the same way at every
-   addition of a long contraction: see that constant). Its error is at most ``u`` times the sizes of the
-   terms and partial sums it adds, which are set by the masses ``f_j S_j`` of *all* examples,
-   not by their norms: examples whose positions nearly cancel (mass far above norm) would let
-   rounding carry more than C through the sum (measured before this contract: 1.18 C). The
-   factor therefore also caps every example's mass at ``KAPPA * C_eff``; ordinary examples
-   (mass / norm ~ sqrt(T): 11 at T = 128) never reach the cap. What remains is the rounding
-   of the sum itself, absorbed by clipping to ``C_eff = C / (1 + rho)`` with a slack that
-   depends only on the sum dtype (:func:`rho`: 2^-10 for float32 sums, 2^-40 for float64),
+3. *A sum whose rounding no example can steer.* Every sum across examples is formed in
+   float64, the released sum's dtype (:func:`sum_dtype`): float32 (and lower) factors are
+   scaled by ``f_i`` and multiplied exactly there, and every accumulation over examples (the
+   book-keeping product ``opake::bookkeeping_mm`` and its fused form, one-hot scatters, grouped
+   products, the weighted sum of materialised gradients) runs in float64. A float32
+   accumulation could be steered by the data: a BLAS adds a contraction nearly in sequence, so
+   one example that lifts every later partial sum into the next binade makes each later small
+   term round the same way (a hostile review: 1.245 C in one graph of 4096 examples, 4.98 C
+   over 16 chunks; 4096 identical examples alone, 1.009 C at T = 64 and 1.95 C at T = 4096).
+   What remains is rounding inside one example (its materialised ``f_i g_i``, entry by entry,
+   its own contribution) and the float64 accumulation, whose error is at most ``gamma_n`` (n
+   the rows added) times the masses ``f_j S_j`` of *all* examples, not their norms: examples
+   whose positions nearly cancel (mass far above norm) would let rounding carry more through
+   the sum, so the factor also caps every example's mass at ``KAPPA * C_eff`` (ordinary
+   examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it). Both are absorbed by
+   clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
+   dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.
 
-   Why 2^-10 is enough in float32 is an argument about realistic rounding, not a worst case:
-   by the probabilistic analysis of Higham & Mary (2019, "A new approach to probabilistic
-   rounding error analysis"), a dot product of length n errs by about ``lambda sqrt(n) u``
-   times the sum of its absolute terms, and the removal of one example changes only the
-   additions that follow its rows. The adversarial suite
-   (``property_tests/test_soundness_properties.py``: near-cancelling positions with mass /
-   norm up to 10^9, magnitudes from 10^-30 to 10^19, hundreds of identical examples, bfloat16
-   models, every path forced in turn) measures removal ratios at or below 1 with it. A worst
-   case over all rounding sequences grows like P^2 K u and exceeds 2^-10 for ordinary
-   float32 shapes; no cheap float32 evaluation order avoids that, float64 sums do (float64
-   models get u = 2^-53, and their bound is a worst case for P K up to ~10^12).
+   For float32 models this is a worst case, not an estimate: a graph of ``P`` rows and ``K``
+   positions adds ``P K`` float64 terms of total mass at most ``P KAPPA C``, so its error is at
+   most ``P^2 K 2^-47 C``, and a removal that shifts the rows of ``m`` such chunks moves at
+   most ``2 m`` of them: within ``rho = 2^-10`` while (examples in the logical batch) x (rows
+   per chunk) x K <= 2^36 (2^16 examples in chunks of 4096 at K <= 128; 2^14 at K = 512).
+   Beyond that the float64 worst case, which takes ties crafted at 2^-53 of the partial sums
+   in every one of the 2^36 additions, exceeds the slack; nothing refuses it yet (the README
+   says so). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
+   realistic rounding (Higham & Mary 2019, "A new approach to probabilistic rounding error
+   analysis": a dot product of length n errs by about ``lambda sqrt(n) u`` times its absolute
+   terms), with the adversarial suite (``property_tests/test_soundness_properties.py``:
+   near-cancelling positions with mass / norm up to 10^9, magnitudes from 10^-30 to 10^19,
+   hundreds of identical examples, bfloat16 models, every path forced in turn) measuring
+   removal ratios at or below 1.
 
    All of this assumes IEEE float32 products. With TF32 allowed
    (``torch.set_float32_matmul_precision("high")``), cuBLAS reads float32 operands rounded to
    2^-11, relative to an example's mass rather than its norm (measured with emulated TF32: a
    near-cancelling example moved the sum by 1.0013 C). The norms already take that into
-   account (:func:`unit_roundoff` with ``matmul=True``); the book-keeping product
-   ``opake::bookkeeping_mm`` runs under :func:`ieee_float32_matmul` whatever the user set.
-   ``bookkeeping="fused"`` forms float32 sums with the operator when the setting is not IEEE
-   at trace time (the step traces again when it changes); grouped convolutions' in-graph
-   sums of float32 models are float64 products, which the setting does not touch.
+   account (:func:`unit_roundoff` with ``matmul=True``); every sum is a float64 product, which
+   the setting does not touch.
 
-   The book-keeping sum applies ``f_i`` to one factor before the product. Each scaled entry
+   The book-keeping sum applies ``f_i`` to one factor before the product: exactly, for
+   float32 (and lower) factors, scaled in float64. For float64 factors, each scaled entry
    that lands below the sum dtype's normal range errs by up to half the smallest subnormal
    (2^-150 in float32, 2^-1075 in float64) whatever its own size, and the product multiplies
    that error by the entries it meets in the other factor: a tiny C next to large activations
@@ -138,18 +145,15 @@ things are needed:
    float32 subnormals is not yet measured (Triton links libdevice with its flush-to-zero
    variants): ``tests/test_gpu.py`` checks each kind of float32 arithmetic the graph uses.
 
-The released sum and the noise are float32 at least: bfloat16 and float16 models get float32
-sums (a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude: 256 identical examples
-moved it by 1.30 C). The same grid argument bounds how many examples one float32 sum may hold:
-a sum of magnitude m C rounds on a grid of ~2^-24 m C, past the slack once m nears 2^13
-aligned examples (2^18 moved it by 1.0055 C). So one compiled graph sums at most
-:data:`MAX_FLOAT32_SUM_ROWS` rows (larger physical batches run as chunks of that size), and the
-chunks of one logical batch, :func:`~opake_compile.optim.accumulate` and
-:func:`~opake_compile.distributed.sum_gradients` add their partial sums in float64, a logical
-batch on one rank holding at most :data:`MAX_FLOAT32_LOGICAL_ROWS` examples of float32 partial
-sums (their rounding still adds up as the rows shift between them on a removal); the noise
-of :class:`~opake_compile.optim.DPOptimizer` is added in the sum's dtype, and only the final
-``.grad`` is cast to the parameter dtype, after the noise.
+The released sum and the noise are float64 (:func:`sum_dtype`; bfloat16 and float16 models
+included: a bfloat16 sum rounds on a grid of ~2^-8 of its own magnitude, and 256 identical
+examples moved one by 1.30 C). One compiled graph sums at most :data:`MAX_FLOAT32_SUM_ROWS`
+rows (larger physical batches run as chunks of that size), the chunks of one logical batch,
+:func:`~opake_compile.optim.accumulate` and :func:`~opake_compile.distributed.sum_gradients`
+add their partial sums in float64, and a logical batch on one rank holds at most
+:data:`MAX_FLOAT32_LOGICAL_ROWS` examples of a float32 model (the worst case of point 3); the
+noise of :class:`~opake_compile.optim.DPOptimizer` is added in the sum's dtype, and only the
+final ``.grad`` is cast to the parameter dtype, after the noise.
 """
 
 from __future__ import annotations
@@ -172,7 +176,7 @@ __all__ = [
     "NORM_DTYPE",
     "KAPPA",
     "MAX_FLOAT32_SUM_ROWS",
-    "SUM_SLICE_ROWS",
+    "slack_dtype",
     "MAX_FLOAT32_LOGICAL_ROWS",
     "check_float32_rows",
     "RHO",
@@ -315,32 +319,19 @@ def clip_scale(sum_dtype: torch.dtype) -> float:
     return 1.0 / (1.0 + rho(sum_dtype))
 
 
-#: Most rows one compiled graph sums in float32. A float32 sum of magnitude m C rounds on a grid
-#: of about 2^-24 m C per entry, which the slack rho = 2^-10 absorbs only while m stays well
-#: below 2^13 aligned examples (measured: 2^16 aligned examples in chunks of 2^14 moved the sum
-#: by 1.00005 C, 2^18 by 1.0055 C). Graphs hold at most this many rows (2^-12 C of grid, a
-#: quarter of the slack), and the sums of several graphs, physical batches or ranks are added
-#: in float64 (:func:`add_partial`), up to :data:`MAX_FLOAT32_LOGICAL_ROWS` in one logical batch.
+#: Most rows one compiled graph sums. Sums are float64 (point 3 of the module docstring): a
+#: float32 total of m C rounded on a grid of 2^-24 m C (2^18 aligned examples moved one by
+#: 1.0055 C), so graphs held at most this many rows; the cap stays, as a factor of the float64
+#: worst case of point 3 (rows x K per graph), and the sums of several graphs, physical batches
+#: or ranks are added in float64 (:func:`add_partial`).
 MAX_FLOAT32_SUM_ROWS = 4096
 
-#: Most (example, position) rows one float32 product of the released sum contracts over. A
-#: book-keeping sum is one product over every row of every example (``sum_i f_i A_i^T B_i``,
-#: K = P T rows), and a BLAS accumulates its contraction nearly in sequence: aligned rows
-#: (identical examples, same-signed terms) round the same way at every addition, so the error of
-#: the removed example's share grows like K u, not like the sqrt(K) u of independent roundings
-#: that rho assumes (review: removing one of 4096 aligned examples of T = 64 moved the sum by
-#: 1.009 C on the default path, 1.95 C at T = 4096). Longer contractions are cut into slices of
-#: this many rows, each a float32 product added to a float64 total (:func:`~._kernels.sliced_gram`,
-#: ``opake::bookkeeping_mm``; the one-hot (embedding) sums scatter in float64): an aligned
-#: slice errs by at most about 2^-12 of the share it loses, a quarter of the slack.
-SUM_SLICE_ROWS = 4096
-
-#: Most examples one logical batch (on one rank) may sum from float32 partial sums. Adding the
-#: partial sums in float64 does not remove their own rounding, and removing one example shifts
-#: the rows after it into other chunks (or accumulated parts), so every later partial sum rounds
-#: differently: about ``2^-24 sqrt(rows r) C`` in all for chunks of ``r`` rows (review: 2^18
-#: aligned rows in 64 chunks of 4096 moved the sum by 1.00017 C, past the slack; 2^16 rows by
-#: 0.99933 C, 2^14 by 0.99953 C). Beyond this many the step and ``accumulate`` refuse
+#: Most examples of a float32 (or lower) model one logical batch on one rank may sum. Removing
+#: one example shifts the rows after it into other chunks (or accumulated parts), so every
+#: later partial sum rounds differently: with float32 partial sums, 2^18 aligned rows in 64
+#: chunks of 4096 moved the sum by 1.00017 C (review). The sums are float64 now, and this cap
+#: bounds the worst case of point 3 of the module docstring (examples x rows per chunk x K <=
+#: 2^36 keeps it within rho up to K = 128). Beyond it the step and ``accumulate`` refuse
 #: (:func:`check_float32_rows`); ranks sum their own rows, so a data-parallel run counts each
 #: rank's examples alone. The eager reference sums more than ``MAX_FLOAT32_SUM_ROWS`` rows in
 #: float64 and has no such limit.
@@ -348,15 +339,16 @@ MAX_FLOAT32_LOGICAL_ROWS = 2**16
 
 
 def check_float32_rows(rows: int, dtypes: Any, where: str) -> None:
-    """Refuse a logical batch of more than :data:`MAX_FLOAT32_LOGICAL_ROWS` examples summed from
-    float32 partial sums (``dtypes``: the sums' dtypes; float64 sums are not limited)."""
+    """Refuse a logical batch of more than :data:`MAX_FLOAT32_LOGICAL_ROWS` examples of a
+    float32 (or lower) model (``dtypes``: the parameters'; float64 models are not limited)."""
     if rows > MAX_FLOAT32_LOGICAL_ROWS and any(d != torch.float64 for d in dtypes):
         raise ConfigurationError(
-            f"{where}: {rows} examples in one logical batch, summed from float32 partial sums, exceed "
+            f"{where}: {rows} examples of a float32 (or lower-precision) model in one logical batch exceed "
             f"{MAX_FLOAT32_LOGICAL_ROWS}: removing one example shifts the rows after it into other partial "
-            "sums, whose float32 rounding then adds up past the clipping norm's slack (2^18 rows moved the "
-            "sum by 1.00017 C). Spread the batch over more ranks (each rank counts its own examples), "
-            "lower the expected batch size, or train a float64 model. Nothing was computed or changed."
+            "sums, and the worst case of their accumulated rounding grows with the batch past the clipping "
+            "norm's slack (with float32 partial sums, 2^18 rows moved the sum by 1.00017 C). Spread the batch "
+            "over more ranks (each rank counts its own examples), lower the expected batch size, or train a "
+            "float64 model. Nothing was computed or changed."
         )
 
 
@@ -368,8 +360,14 @@ def add_partial(total: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
 
 
 def sum_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the released sum for gradients of ``dtype``: float64 stays, everything
-    else is summed in float32."""
+    """The dtype of the released sum for gradients of ``dtype``: float64 (float32 products
+    are exact there, and no example can steer a float64 accumulation: point 3 above)."""
+    return torch.float64
+
+
+def slack_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose ``rho`` clips gradients of ``dtype``: float64 stays, everything else
+    is float32 (its products and per-example roundings are float32's)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -383,7 +381,7 @@ def effective_clipping_norm(clipping_norm: float, dtype: torch.dtype) -> float:
         >>> effective_clipping_norm(1.0, torch.float32)
         0.9990243902439024
     """
-    return clipping_norm * clip_scale(sum_dtype(dtype))
+    return clipping_norm * clip_scale(slack_dtype(dtype))
 
 
 def emit_sq_sum(em: Emitter, flat: fx.Node) -> fx.Node:

@@ -319,12 +319,11 @@ class GhostClipping:
             factor; it saves the per-call cost (~50 us per layer on CPU, visible on small models:
             MLP bench 1.04x instead of ~1.1x the non-private time) but can keep every layer's
             masked copies alive at once (MLP bench: 1.5x memory). Same result up to
-            rounding. Its products follow the process's float32 matmul precision, so where
-            that is not IEEE (``torch.set_float32_matmul_precision("high")``: TF32 on a GPU)
-            float32 sums use the operator instead, and an example whose scaled factor's
-            rounding in the subnormal range its partners could amplify adds nothing to that
-            parameter's sum (``_kernels.underflow_unsafe``; the CPU operator computes it
-            exactly instead).
+            rounding. Its products are float64 (exact for float32 and lower factors, whatever
+            the matmul precision setting); for float64 factors, an example whose scaled
+            factor's rounding in the subnormal range its partners could amplify adds nothing
+            to that parameter's sum (``_kernels.underflow_unsafe``; the CPU operator computes
+            it exactly instead).
         force: parameter name -> one of :data:`FORCEABLE_PATHS`, overriding the cost model
             (for tests of each path's numerics, and for users who know better). A forced
             path that cannot apply (no rule matches; ``"mixed"`` for an embedding) raises at
@@ -547,7 +546,7 @@ def _rewrite_parameter(
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix, em, grams))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
