@@ -46,7 +46,6 @@ from opake_compile.compiler.passes.numerics import (
     NORM_DTYPE,
     emit_sq_sum,
     emit_sum_sq_bound,
-    float32_matmul_is_ieee,
     gamma,
     unit_roundoff,
 )
@@ -1141,8 +1140,8 @@ def emit_clipped_sum(
 
 def _sum_sq_bound_all(em: Emitter, cache: dict, x: fx.Node, n: int) -> fx.Node:
     """``emit_sum_sq_bound`` of ``x`` (P, ., .) over its last two dims (n entries), memoised
-    in ``cache``: a rank-one norm's ``||a||^2`` and ``||b||^2`` are the same nodes as the
-    book-keeping operator's partner bound (one reduction, not two)."""
+    in ``cache``: a rank-one norm's ``||a||^2`` and ``||b||^2``, shared by the parameters that
+    read the same factor."""
     return _memo(cache, ("sum_sq_all", value_key(x), n), lambda: emit_sum_sq_bound(em, x, [1, 2], n))
 
 

@@ -160,9 +160,9 @@ def _wide_bookkeeping(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, fac
         f3 = torch.where(keep, factor.view(p, 1, 1), 0).to(wide)
         at, b = torch.where(keep, at, 0), torch.where(keep, b, 0)
     if r <= c:  # scale the smaller operand (the products are exact either way)
-        left, right = at.to(wide).mul_(f3), b.to(wide)
+        left, right = at.to(wide, copy=True).mul_(f3), b.to(wide)
     else:
-        left, right = at.to(wide), b.to(wide).mul_(f3)
+        left, right = at.to(wide), b.to(wide, copy=True).mul_(f3)
     n = left.shape[0] * left.shape[1]
     return torch.mm(left.reshape(n, r).t(), right.reshape(n, c))
 
