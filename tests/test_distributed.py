@@ -210,6 +210,14 @@ def _worker(rank: int, store: str, out: str) -> None:
     except ConfigurationError:
         res["inplace_big_refused"] = True
     res["inplace_big_unchanged"] = torch.equal(big.grads["w"], torch.ones(2))
+    # Any float32 sums, however few examples: a float32 reduction across ranks rounds at each
+    # addition (compile_dp's sums are float64 and reduce in place).
+    small = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=1)
+    try:
+        D.sum_gradients_(small)
+        res["inplace_small_f32_refused"] = False
+    except ConfigurationError:
+        res["inplace_small_f32_refused"] = True
     t = torch.tensor([rank + 1.0, 10.0 * rank])
     res["all_reduce"] = {op: D.all_reduce(t, op) for op in ("sum", "mean", "max", "min")}
     res["all_reduce_input_unchanged"] = torch.equal(t, torch.tensor([rank + 1.0, 10.0 * rank]))
@@ -521,7 +529,7 @@ def test_sigma0_two_ranks_equal_one_process_and_ddp(runs):
 def test_ranks_add_their_sums_in_float64(runs):
     for res in runs:
         assert res["sum_dtype"] == torch.float64
-        assert res["inplace_big_refused"] and res["inplace_big_unchanged"]
+        assert res["inplace_big_refused"] and res["inplace_big_unchanged"] and res["inplace_small_f32_refused"]
 
 
 def test_optimizer_refuses_a_local_sum_in_a_process_group(runs):

@@ -79,8 +79,8 @@ class DPStepResult:
         loss: **not privatised.** 0-d tensor: the mean per-example loss over the real examples
             (NaN for an empty batch). For a mean-reduced batch loss this is the batch loss.
         clipped: the :class:`ClippedPytree` (unnormalised sum of clipped per-example gradients
-            of the trainable parameters, keyed like ``named_parameters()``), in float32 for
-            float32 and lower-precision parameters, float64 for float64 ones.
+            of the trainable parameters, keyed like ``named_parameters()``), float64 for every
+            parameter dtype (compiler/passes/numerics.py, point 3).
         coverage: parameter name -> the path its per-example gradient took
             (``"materialized"`` or a rewrite rule such as ``"ghost:linear"``).
     """
