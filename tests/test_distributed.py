@@ -203,21 +203,17 @@ def _worker(rank: int, store: str, out: str) -> None:
     # global sum of more examples than one float32 sum may hold (on every rank alike).
     f32 = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=1)
     res["sum_dtype"] = D.sum_gradients(f32).grads["w"].dtype
-    big = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=3000)
-    try:
-        D.sum_gradients_(big)
-        res["inplace_big_refused"] = False
-    except ConfigurationError:
-        res["inplace_big_refused"] = True
-    res["inplace_big_unchanged"] = torch.equal(big.grads["w"], torch.ones(2))
     # Any float32 sums, however few examples: a float32 reduction across ranks rounds at each
     # addition (compile_dp's sums are float64 and reduce in place).
-    small = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=1)
-    try:
-        D.sum_gradients_(small)
-        res["inplace_small_f32_refused"] = False
-    except ConfigurationError:
-        res["inplace_small_f32_refused"] = True
+    for name, count in (("inplace_big", 3000), ("inplace_small_f32", 1)):
+        part = ClippedPytree(grads={"w": torch.ones(2)}, clipping_norm=1.0, per_example_norms=torch.zeros(1), num_examples=count)
+        try:
+            D.sum_gradients_(part)
+            res[name + "_refused"] = False
+        except ConfigurationError:
+            res[name + "_refused"] = True
+        if count == 3000:
+            res["inplace_big_unchanged"] = torch.equal(part.grads["w"], torch.ones(2))
     t = torch.tensor([rank + 1.0, 10.0 * rank])
     res["all_reduce"] = {op: D.all_reduce(t, op) for op in ("sum", "mean", "max", "min")}
     res["all_reduce_input_unchanged"] = torch.equal(t, torch.tensor([rank + 1.0, 10.0 * rank]))
