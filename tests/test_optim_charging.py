@@ -268,8 +268,10 @@ def test_sum_gradients_releases_the_local_sum_with_the_global_one(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        x, y = _data(40)
-        params = _params()
+        x, y = (t.double() for t in _data(40))
+        # float64: the eager sums of a float64 model are float64, and sum_gradients_ reduces only
+        # float64 sums in place (test_distributed)
+        params = {k: v.detach().double().requires_grad_() for k, v in _params().items()}
         sampler = opake.distributed.DistributedPoissonSampler(40, 0.5, key=opake.random.key(0))
         opt = _optimizer(params, sampler)
         grad_fn, st = clipped_grad(_loss, 0, batch_argnums=(1, 2), clipping_norm=1.0)
