@@ -437,7 +437,9 @@ def sum_gradients_(clipped: ClippedPytree | Sequence[ClippedPytree], *, bucket_b
         counts summed as in :func:`sum_gradients`. Without a process group: ``clipped`` itself.
 
     Raises:
-        As :func:`sum_gradients`.
+        As :func:`sum_gradients`; also ``ConfigurationError`` for sums that are not float64 (the
+        eager reference's float32 sums: a float32 reduction across ranks rounds at each addition;
+        use :func:`sum_gradients`, which adds them in float64). ``compile_dp``'s sums are float64.
 
     Example::
 
