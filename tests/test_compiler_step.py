@@ -1659,3 +1659,19 @@ def test_a_watched_number_off_every_counts_line_is_no_longer_read_against_the_ba
         assert step.num_calls == 5
     finally:
         _ROWS_IN_BATCH = 1.0
+
+
+def test_a_call_where_every_example_is_non_finite_warns():
+    """A loss that is NaN for a batch of one (a standard deviation over the batch) dropped every
+    example, without a word (review): the step would add noise alone. The first calls warn."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+    step = compile_dp(lambda m, x: (m(x) / m(x).std()).sum(), model=model, clipping_norm=1.0, backend="aot_eager")
+    with pytest.warns(UserWarning, match="Every example's gradient was non-finite"):
+        out = step(torch.randn(6, 4))
+    assert out.clipped.num_nonfinite == out.clipped.num_examples == 6
+    ok = compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend="aot_eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ok(torch.randn(6, 4))
