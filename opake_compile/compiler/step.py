@@ -672,11 +672,11 @@ class DPStep:
         if view is not last_view:
             numbers = _program_numbers(view, self._programs.loss)
             self._numbers = (view, numbers)
-        first, watched, points = self._first_numbers, self._watched, self._scalars._last
+        first, watched, scalars = self._first_numbers, self._watched, self._scalars
         extra = []
         for path, v in numbers:
             was = first.setdefault(path, v)
-            if (path in watched or was != v) and points.get(path) != {}:  # ({}: off every count's line for good)
+            if (path in watched or was != v) and not scalars.follows_no_count(path):
                 watched.add(path)
                 extra.append((path, v))
         if extra:
@@ -1039,6 +1039,11 @@ class _ScalarWatch:
         # Per number (argument, leaf), per count and form ("x" or "1/x"): the distinct
         # (count, value) pairs seen while every call kept to one line through them.
         self._last: dict[tuple[int, ...], dict[tuple, list[tuple[float, float]]]] = {}
+
+    def follows_no_count(self, path: tuple) -> bool:
+        """Whether the number at ``path`` has left every count's line, for good (a later call
+        cannot bring it back on one: nothing more to watch)."""
+        return self._last.get(path) == {}
 
     def check(self, args: tuple, batched: tuple[int, ...], extra: list[tuple[tuple, float]] | None = None,
               describe: Callable[[tuple], str] | None = None) -> None:

@@ -542,9 +542,9 @@ class _RefuseForeignBatchingRules(TorchFunctionMode):
 
 @contextlib.contextmanager
 def _own_batching_rules_only() -> Iterator[None]:
-    """Refuse, while tracing (and while the eager reference vmaps), code that batches itself: an ``autograd.Function`` with its own
-    ``vmap`` staticmethod, or an operator with a ``register_vmap`` rule (``custom_op`` or
-    ``torch.library``). A batching rule sees the whole batch, and nothing checks that it keeps
+    """Refuse, while tracing (and while the eager reference vmaps), code that batches itself:
+    an ``autograd.Function`` with its own ``vmap`` staticmethod, or an operator with a
+    ``register_vmap`` rule (``custom_op`` or ``torch.library``). A batching rule sees the whole batch, and nothing checks that it keeps
     examples apart (a hostile review's ``x + 100 * x.mean(0)`` moved the clipped sum by 11 C
     when one example was replaced). ``generate_vmap_rule=True`` is accepted: its forward is
     vmapped op by op."""

@@ -19,7 +19,7 @@ import math
 import torch
 
 from opake_compile.compiler._graph_utils import val
-from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, float32_matmul_is_ieee, ieee_float32_matmul
+from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE
 from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
@@ -122,18 +122,14 @@ def bookkeeping_mm(
         # (A host-side test: free on CPU.) The caught examples' products are formed exactly,
         # apart from the others': see _split_exact.
         return _split_exact(at, b, left, right, caught, f3, clip, acc)
-    return _ieee_mm(left, right).to(acc)
+    return _rows_mm(left, right)
 
 
-def _ieee_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``sum_i left_i^T right_i`` for ``(P, K, R)`` and ``(P, K, C)``: one product over the
-    (example, position) rows, with IEEE float32 products whatever the user's setting (TF32
-    operands, rounded to 2^-11 of an example's mass, let one example move the sum past C)."""
+def _rows_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``sum_i left_i^T right_i`` for float64 ``(P, K, R)`` and ``(P, K, C)``: one product over
+    the (example, position) rows (float64 products are never TF32)."""
     p, k, r = left.shape
     c = right.shape[2]
-    if left.dtype == torch.float32 and not float32_matmul_is_ieee():
-        with ieee_float32_matmul():
-            return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
     return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
 
 
@@ -177,10 +173,9 @@ def _split_exact(
     clip: torch.Tensor,
     acc: torch.dtype,
 ) -> torch.Tensor:
-    """The book-keeping sum when :func:`_caught_on_host` caught some examples: theirs formed by
-    :func:`_exact_scaling`, every other example's exactly as if none had been caught (the same
-    rows of ``left``, ``right`` in one product of the sum dtype), the two parts added once in
-    float64 (float32 sums) or in the sum dtype, and rounded once.
+    """The float64 book-keeping sum when :func:`_caught_on_host` caught some examples: theirs
+    formed by :func:`_exact_scaling`, every other example's exactly as if none had been caught
+    (the same rows of ``left``, ``right`` in one product), the two parts added once.
 
     Per example, not per call: had one caught example sent every example of the call to the
     exact path, it would have removed the float32 rounding of all the others' products, which
@@ -189,12 +184,10 @@ def _split_exact(
     its own exact contribution and one rounding of the total."""
     hit = caught.nonzero().view(-1)
     rest = (~caught).nonzero().view(-1)
-    main = _ieee_mm(left.index_select(0, rest), right.index_select(0, rest))
+    main = _rows_mm(left.index_select(0, rest), right.index_select(0, rest))
     ones = torch.ones(hit.shape[0], dtype=torch.bool, device=hit.device)
     el, er = _exact_scaling(at.index_select(0, hit), b.index_select(0, hit), ones, f3.index_select(0, hit), clip, acc)
-    exact = _ieee_mm(el, er)  # float64 operands for float32 sums: exact products, no TF32
-    wide = exact.dtype
-    return (main.to(wide) + exact).to(acc)
+    return main + _rows_mm(el, er)
 
 
 def partner_of(r: int, c: int) -> str:
@@ -236,20 +229,14 @@ def _kept_prefix(kept_prefix: torch.Tensor) -> int | None:
 def _exact_scaling(
     at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, f3: torch.Tensor, clip: torch.Tensor, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two factors with the clip factor applied so that no rounding of a scaled entry can
-    be amplified by its partners (the case :func:`underflow_unsafe` caught).
-
-    Float32 sums: both factors in float64, where the products of float32 numbers are exact
-    and normal, and the matrix product is rounded once when cast back (an error of the whole
-    sum, not of one example). Float64 sums: per example, the factor goes to the operand with
-    the larger entries, so that the partners of its scaled entries are the smaller operand's;
-    that suffices unless both operands exceed ~2^890 (at C = 2^-100), which is refused."""
+    """The two float64 factors with the clip factor applied so that no rounding of a scaled
+    entry can be amplified by its partners (the case :func:`underflow_unsafe` caught): per
+    example, the factor goes to the operand with the larger entries, so that the partners of
+    its scaled entries are the smaller operand's; that suffices unless both operands exceed
+    ~2^890 (at C = 2^-100), which is refused. (Float32 factors never get here: they are
+    scaled exactly in float64, :func:`_wide_bookkeeping`.)"""
     keep = kept.view(-1, 1, 1)
     f3 = torch.where(keep, f3, 0)
-    if acc == torch.float32:
-        wide = torch.float64
-        left = torch.where(keep, at, 0).to(wide).mul_(f3.to(wide))
-        return left, torch.where(keep, b, 0).to(wide)
     a_acc, b_acc = torch.where(keep, at, 0).to(acc), torch.where(keep, b, 0).to(acc)
     big_a, big_b = _largest(_eager, a_acc), _largest(_eager, b_acc)
     on_left = big_a >= big_b
