@@ -22,7 +22,9 @@ at Small Cost")::
 
 one matrix product per term, never materialising a per-example ``R x C`` gradient: a call of
 ``opake::bookkeeping_mm`` (:mod:`._kernels`) per dense term, an ``embedding_dense_backward``
-per one-hot term. Rows of excluded examples (padding, non-finite) are removed from *both*
+per one-hot term. (On the CPU, dense terms over many positions are summed one example at a
+time by ``opake::per_example_mm``: float32 products inside an example, float64 across
+examples, :func:`per_example_sum_ok`.) Rows of excluded examples (padding, non-finite) are removed from *both*
 factors with a select before any product, so a NaN in an excluded example cannot reach the sum
 (0 * NaN = NaN).
 """
@@ -39,7 +41,7 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes import _kernels
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, SLICED_GRAM, underflow_unsafe
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
@@ -64,6 +66,8 @@ __all__ = [
     "mixed_product_dtype",
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
+    "per_example_sum_ok",
+    "emit_per_example_choice",
     "merge_groups",
     "merge_parts",
     "value_key",
@@ -1059,6 +1063,99 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
     return em(aten.mul.Tensor, bound, bound), em(aten.mul.Tensor, s, s)
 
 
+#: The fewest positions per example for which :func:`per_example_sum_ok` forms the
+#: book-keeping sum example by example (``opake::per_example_mm``). Measured on this 2-core
+#: CPU, one thread, float32 products against the float64 product over all rows: P = 64,
+#: K = 16, 256 x 256: 3.4 against 3.6 ms (even); K = 32: 4.4 against 5.8; K = 64, P = 32,
+#: 512 x 128: 3.8 against 7.4; K = 256, P = 8, 8192 x 768 (a tied LM head): 322 against 509.
+#: At K = 1 (an MLP) one call per example costs ~10x the product.
+PER_EXAMPLE_MIN_K = 32
+
+#: The smallest ``R C`` for which :func:`per_example_sum_ok` loops over examples (a few calls
+#: per example, ~20 us of Python each, against a product of ``2 K R C`` flops).
+PER_EXAMPLE_MIN_SIZE = 4096
+
+
+def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str) -> bool:
+    """Whether a block's clipped sum is formed example by example (``opake::per_example_mm``:
+    each example's float32 product, added in float64) rather than as one float64 product over
+    every (example, position) row. A function of shapes, dtypes, the device and the float32
+    matmul precision, never of values (every graph of a step makes the same choice).
+
+    Yes for the dense terms of an ungrouped block of float32 (or lower) factors on the CPU
+    with per-layer book-keeping (a one-hot term beside them, a tied LM head's embedding, stays
+    a float64 scatter), with at least :data:`PER_EXAMPLE_MIN_K` positions and
+    :data:`PER_EXAMPLE_MIN_SIZE` entries, while an ordinary example's float32 rounding (``gamma_K sqrt(K)`` of its norm,
+    :func:`emit_per_example_choice`) stays within :data:`FAST_GRAM_OVERCLIP`, and while float32
+    products are IEEE (the choice per example is :func:`emit_per_example_choice`'s). On an
+    accelerator the float64 product over all rows needs no host read, and data-centre GPUs
+    multiply float64 at about their IEEE float32 rate.
+    """
+    dense = [f for f in factors if not f.onehot]  # (one-hot terms are float64 scatters anyway)
+    if acc == NORM_DTYPE or bookkeeping != "per_layer" or not dense:
+        return False
+    for f in factors:
+        if f.groups != 1 or val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE):
+            return False
+        if not _kernels._host_reads_are_free(val(f.b)):  # (a module attribute: tests patch it)
+            return False
+    for f in dense:
+        if f.k < PER_EXAMPLE_MIN_K or f.rows * f.cols < PER_EXAMPLE_MIN_SIZE:
+            return False
+    k = max(f.k for f in dense)
+    return gamma(k, unit_roundoff(torch.float32, matmul=True)) * math.sqrt(k) <= FAST_GRAM_OVERCLIP
+
+
+#: The most a float32 per-example product may raise an example's norm bound, relative to
+#: it, for :func:`emit_per_example_choice` to choose it (else that example's product is
+#: float64). Ordinary examples (mass / norm ~ sqrt(K)) add ``gamma_K sqrt(K)``: 2.4e-4 at
+#: K = 256, 6.9e-4 at K = 512, 2e-3 at K = 1024 (float64 there); inputs that share a
+#: direction (anisotropic hidden states) raise the mass and go to float64.
+PER_EXAMPLE_OVERCLIP = 2.0**-10
+
+#: The largest mass for which a float32 per-example product cannot overflow: every partial sum
+#: of an entry is at most ``(1 + gamma_K) S``, below float32's 2^128.
+_PER_EXAMPLE_MAX_MASS = 2.0**120
+
+
+def emit_per_example_choice(
+    em: Emitter, factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, acc: torch.dtype, bookkeeping: str
+) -> tuple[fx.Node, fx.Node | None]:
+    """Where a block's sum is formed example by example (:func:`per_example_sum_ok`), choose
+    per example between a float32 and a float64 product (``opake::per_example_mm``'s
+    ``fast``) and raise the squared norm bound ``sq`` to cover what the chosen product adds.
+
+    Example i's float32 product is within ``e_i = gamma_K S_i + K sqrt(R C) 2^-149`` of its
+    exact gradient ``G_i`` (Higham 2002, Thm 3.5, any order of additions; the second term for
+    products that underflow; ``S_i = sqrt(mass_sq)``), so ``||fl32(G_i)|| <= nu_i + e_i`` with
+    ``nu_i = sqrt(sq)`` the block's bound. Float32 where ``e_i <= PER_EXAMPLE_OVERCLIP nu_i``
+    and the mass cannot overflow a float32 partial sum; the bound becomes ``nu_i + e_i``
+    there and stays ``nu_i`` where the product is float64 (exact products, float64 sums:
+    within the slack, as every float64 book-keeping sum). Each example's choice reads that
+    example's values alone, so its contribution stays a function of its own data.
+
+    Returns:
+        ``(sq, fast)``: the squared bound (P,) float64 and the (P,) bool choice, or ``(sq,
+        None)`` unchanged where the block's sum is not formed example by example.
+    """
+    if not per_example_sum_ok(factors, acc, bookkeeping):
+        return sq, None
+    dense = [f for f in factors if not f.onehot]
+    k = max(f.k for f in dense)
+    r, c = factors[0].rows, factors[0].cols
+    mass = em(aten.sqrt.default, mass_sq)  # (a one-hot term's mass too: an over-estimate)
+    norm = em(aten.sqrt.default, sq)
+    err = em(aten.mul.Tensor, mass, gamma(k, unit_roundoff(torch.float32, matmul=True)))
+    err = em(aten.add.Tensor, err, sum(f.k for f in dense) * math.sqrt(r * c) * FLOAT32_TINY)
+    fast = em(aten.logical_and.default,
+              em(aten.le.Tensor, err, em(aten.mul.Tensor, norm, PER_EXAMPLE_OVERCLIP)),
+              em(aten.le.Scalar, mass, _PER_EXAMPLE_MAX_MASS))  # (NaN: False)
+    # A few float64 operations on non-negative numbers: 1 + 2^-40 covers their rounding.
+    raised = em(aten.mul.Tensor, em(aten.add.Tensor, norm, err), 1.0 + 2.0**-40)
+    raised = em(aten.mul.Tensor, em(aten.mul.Tensor, raised, raised), 1.0 + 2.0**-40)
+    return em(aten.where.self, fast, raised, sq), fast
+
+
 def emit_clipped_sum(
     em: Emitter,
     factors: list[Factor],
@@ -1068,9 +1165,11 @@ def emit_clipped_sum(
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
     kept_prefix: fx.Node | None = None,
+    fast: fx.Node | None = None,
 ) -> fx.Node:
     """``sum_i f_i G_i`` as one product per term, shape (R, C), float64 (``acc`` is the clip
-    factor's dtype).
+    factor's dtype). ``fast``: the per-example choice of :func:`emit_per_example_choice`
+    (the block's dense terms are then summed example by example, ``opake::per_example_mm``).
 
     ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
@@ -1133,7 +1232,10 @@ def emit_clipped_sum(
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if kept_prefix is None:
                 kept_prefix = _kernels.kept_prefix(kept, em)
-            term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip)
+            if fast is not None:  # (its rounding is in the norm: emit_per_example_choice)
+                term = em(PER_EXAMPLE_MM, at, f.b, kept, factor, kept_prefix, fast)
+            else:
+                term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
 

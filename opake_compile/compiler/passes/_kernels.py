@@ -10,6 +10,11 @@ all of them, for every layer, into the kernel that computes the factor: every la
 copies are then alive at once (measured on the MLP bench: 1.50x the non-private step's peak
 memory with plain ops, 1.20x with this operator). As one operator per layer, the copies exist
 one layer at a time and are freed as soon as that layer's product is done.
+
+``opake::per_example_mm`` is the same sum formed example by example on the CPU: each
+example's float32 product over its own positions, then weighted and added in float64
+(:func:`per_example_mm`). Where an example has many positions this costs about a float32
+product, where the float64 product over all rows costs about twice that on CPUs.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "per_example_mm", "PER_EXAMPLE_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
@@ -30,6 +35,7 @@ _LIB.define(
     "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor clip, "
     "Tensor? partner_sq=None) -> Tensor"
 )
+_LIB.define("per_example_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor fast) -> Tensor")
 # Any strides will do (its products read views): the backend need not copy a sliced or
 # transposed operand into the layout it had when traced.
 _LIB.define("sliced_gram(Tensor x, Tensor y, int size) -> Tensor", tags=(torch.Tag.flexible_layout,))
@@ -123,6 +129,86 @@ def bookkeeping_mm(
         # apart from the others': see _split_exact.
         return _split_exact(at, b, left, right, caught, f3, clip, acc)
     return _rows_mm(left, right)
+
+
+def per_example_mm(
+    at: torch.Tensor,
+    b: torch.Tensor,
+    kept: torch.Tensor,
+    factor: torch.Tensor,
+    kept_prefix: torch.Tensor,
+    fast: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_i factor[i] * P_i`` over the examples with ``kept[i]``, formed one example at a
+    time and added in float64, where ``P_i`` is example i's product ``at[i]^T @ b[i]`` over its
+    own K positions: a float32 product cast exactly to float64 where ``fast[i]``, else a float64
+    product of its float32 factors (exact products, float64 sums).
+
+    Why: a float32 accumulation over the rows of *several* examples can be steered by the
+    data (:func:`_wide_bookkeeping`), so the book-keeping product over all rows is formed in
+    float64, which this CPU multiplies at half the float32 rate or less. Here float32 rounding
+    stays inside one example: ``fl32(A_i^T B_i)`` is within ``gamma_K S_i`` of the exact
+    product entry by entry (S_i the example's mass; Higham 2002, Thm 3.5, any order of
+    additions), plus ``K 2^-149`` per entry for products that underflow. The graph decides
+    ``fast`` per example from that example's own norm bound and mass, and adds the error to
+    its norm bound where it chose float32 (:func:`~._factors.emit_per_example_choice`), so
+    every clipped contribution ``f_i P_i`` has norm at most ``C_eff``; the float64 total then
+    has the rounding of point 3 of :mod:`~opake_compile.compiler.passes.numerics`, over P
+    terms per entry rather than P K.
+
+    The rounding of an example's product must depend on its own values and on nothing else:
+    not on its position in the batch, nor on the batch size (which removing an example
+    changes). A BLAS may round a product differently with the alignment of its operands or the
+    size of a batched call (measured here: ``bmm`` with K = 300, R = 5, C = 7 gave entries that
+    differ with the example's index and the batch size, by up to 6e-6). So every example is
+    copied into the same freshly allocated (64-byte aligned) buffers and multiplied by one
+    ``mm`` of one shape: identical calls on identical addresses.
+
+    CPU only (it reads ``kept``, ``fast`` and the factors on the host); elsewhere it forms the
+    float64 product of :func:`_wide_bookkeeping`, whose rounding is within the same bound. The
+    graph emits it only for float32 (and lower) factors on the CPU
+    (:func:`~._factors.per_example_sum_ok`).
+
+    Args:
+        at: ``(P, K, R)``, the left factor stored transposed (float32 or lower).
+        b: ``(P, K, C)``, the right factor.
+        kept: ``(P,)`` bool; excluded rows are never read.
+        factor: ``(P,)`` clip factors.
+        kept_prefix: as for :func:`bookkeeping_mm`.
+        fast: ``(P,)`` bool, per example: a float32 product (else float64).
+
+    Returns:
+        ``(R, C)`` float64.
+    """
+    if not _host_reads_are_free(at):
+        return _wide_bookkeeping(at, b, kept, factor, kept_prefix)
+    wide = torch.float64
+    p, k, r = at.shape
+    c = b.shape[2]
+    rows = _kept_prefix(kept_prefix)
+    index = range(rows) if rows is not None else kept.nonzero().view(-1).tolist()
+    weights, in_float32 = factor.to(wide).tolist(), fast.tolist()
+    total = torch.zeros((r, c), dtype=wide)
+    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+    prod = torch.empty((r, c), dtype=torch.float32)
+    cast = torch.empty((r, c), dtype=wide)  # (an in-place float64 += float32 add is ~4x slower)
+    for i in index:
+        w = weights[i]
+        if w == 0.0:  # adds exactly zero
+            continue
+        dtype = torch.float32 if in_float32[i] else wide
+        if dtype not in buffers:
+            buffers[dtype] = (torch.empty((k, r), dtype=dtype), torch.empty((k, c), dtype=dtype))
+        left, right = buffers[dtype]
+        left.copy_(at[i])
+        right.copy_(b[i])
+        if dtype == wide:
+            torch.mm(left.t(), right, out=cast)
+        else:
+            torch.mm(left.t(), right, out=prod)
+            cast.copy_(prod)
+        total.add_(cast, alpha=w)
+    return total
 
 
 def _rows_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -376,6 +462,7 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
 # about 50 us per call, a few per cent of a small model's step.
 _LIB.impl("bookkeeping_mm", bookkeeping_mm, "CompositeExplicitAutograd")
 _LIB.impl("sliced_gram", sliced_gram, "CompositeExplicitAutograd")
+_LIB.impl("per_example_mm", per_example_mm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("opake::bookkeeping_mm")
@@ -389,6 +476,16 @@ def _(at, b, kept, factor, kept_prefix, clip, partner_sq=None) -> torch.Tensor: 
     return at.new_empty((at.shape[2], b.shape[2]), dtype=torch.float64)
 
 
+@torch.library.register_fake("opake::per_example_mm")
+def _(at, b, kept, factor, kept_prefix, fast) -> torch.Tensor:
+    torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
+    torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
+    torch._check(fast.shape == (at.shape[0],) and fast.dtype == torch.bool)
+    torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
+    torch._check(kept_prefix.dim() == 0 and kept_prefix.dtype == torch.int64)
+    return at.new_empty((at.shape[2], b.shape[2]), dtype=torch.float64)
+
+
 @torch.library.register_fake("opake::sliced_gram")
 def _(x, y, size) -> torch.Tensor:
     torch._check(x.dim() == 3 and y.dim() == 3 and x.shape[0] == y.shape[0] and x.shape[2] == y.shape[1])
@@ -398,4 +495,5 @@ def _(x, y, size) -> torch.Tensor:
 
 #: The overloads the passes put in graphs.
 BOOKKEEPING_MM = torch.ops.opake.bookkeeping_mm.default
+PER_EXAMPLE_MM = torch.ops.opake.per_example_mm.default
 SLICED_GRAM = torch.ops.opake.sliced_gram.default

@@ -75,6 +75,13 @@ things are needed:
    one example that lifts every later partial sum into the next binade makes each later small
    term round the same way (a hostile review: 1.245 C in one graph of 4096 examples, 4.98 C
    over 16 chunks; 4096 identical examples alone, 1.009 C at T = 64 and 1.95 C at T = 4096).
+   On the CPU, a dense term with at least 32 positions per example is summed example by
+   example instead (``opake::per_example_mm``, :func:`~._factors.per_example_sum_ok`): each
+   example's product over its own positions is a float32 product, within ``gamma_K S_i`` of
+   the exact one, an error of that example alone, which its norm bound includes
+   (:func:`~._factors.emit_per_example_choice`: float32 per example where that raises the bound
+   by at most 2^-10, else a float64 product); the products are then added in float64. It
+   costs about a float32 product where the float64 one over all rows costs twice that.
    What remains is rounding inside one example (its materialised ``f_i g_i``, entry by entry,
    its own contribution) and the float64 accumulation, whose error is at most ``gamma_n`` (n
    the rows added) times the masses ``f_j S_j`` of *all* examples, not their norms: examples

@@ -39,6 +39,7 @@ from opake_compile.compiler.passes._factors import (
     Factor,
     fast_gram_ok,
     emit_clipped_sum,
+    emit_per_example_choice,
     emit_sq_norm,
     emit_sq_norm_materialized,
     ghost_cost,
@@ -47,6 +48,7 @@ from opake_compile.compiler.passes._factors import (
     merge_groups,
     merge_parts,
     mixed_product_dtype,
+    per_example_sum_ok,
     view_root,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
@@ -544,9 +546,10 @@ def _rewrite_parameter(
             else:
                 b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
+            b_sq, fast = emit_per_example_choice(em, block, b_sq, b_mass, sum_acc, bookkeeping)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix, fast))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
@@ -573,6 +576,7 @@ def _rewrite_parameter(
     # precisions (DPStep compares it across the graphs of one step, see _ghost_clipping).
     method = label + " " + ", ".join(
         f"{mode}/{dtype if mode == 'ghost' else mixed_product_dtype(block, sum_acc)}"
+        + ("/per-example sum" if per_example_sum_ok(block, sum_acc, bookkeeping) else "")
         for block, (mode, dtype) in zip(found.blocks, plans)
     )
     return label, None, [f.rule for f in factors], method

@@ -1,0 +1,309 @@
+"""The book-keeping sum formed example by example on the CPU (``opake::per_example_mm``):
+float32 products inside one example, float64 across examples, the float32 rounding in the
+example's own norm bound (``_factors.emit_per_example_choice``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from opake_compile import compile_dp
+from opake_compile.compiler.passes.rewrites import GhostClipping
+from opake_compile.compiler.passes import _factors, _kernels
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, PER_EXAMPLE_MM, kept_prefix, per_example_mm
+from opake_compile.compiler.passes.numerics import effective_clipping_norm, gamma
+
+F64 = torch.float64
+U32 = 2.0**-24
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _exact(at, b, kept, factor):
+    """sum_i factor_i at_i^T b_i over kept examples, products and sums in float64."""
+    out = torch.zeros(at.shape[2], b.shape[2], dtype=F64)
+    for i in range(at.shape[0]):
+        if kept[i]:
+            out += float(factor[i]) * at[i].double().T @ b[i].double()
+    return out
+
+
+def _mass(at, b):
+    """Per example, sum_k ||a_k|| ||b_k|| in float64."""
+    return (at.double().norm(dim=2) * b.double().norm(dim=2)).sum(1)
+
+
+def test_float32_products_stay_within_the_bound_the_graph_adds_and_float64_ones_are_exact():
+    p, k, r, c = 6, 40, 9, 11
+    at = torch.randn(p, k, r, generator=_gen(1))
+    b = torch.randn(p, k, c, generator=_gen(2))
+    f = torch.rand(p, generator=_gen(3))
+    kept = torch.ones(p, dtype=torch.bool)
+    slow = torch.zeros(p, dtype=torch.bool)
+    got = per_example_mm(at, b, kept, f, kept_prefix(kept), slow)
+    assert got.dtype == F64 and got.shape == (r, c)
+    torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-13, atol=1e-13)
+    # Float32 products: example by example, within f_i gamma_K S_i of the exact product.
+    for i in range(p):
+        one = torch.zeros(p, dtype=torch.bool)
+        one[i] = True
+        fast = torch.ones(p, dtype=torch.bool)
+        mine = per_example_mm(at, b, one, f, kept_prefix(one), fast)
+        err = float((mine - _exact(at, b, one, f)).norm())
+        assert err <= float(f[i]) * gamma(k, U32) * float(_mass(at[i:i + 1], b[i:i + 1])[0]) * 1.001
+        assert err > 0  # (really a float32 product: it differs from the exact one)
+
+
+def test_excluded_examples_with_nan_and_inf_are_never_read():
+    p, k, r, c = 5, 33, 8, 6
+    at = torch.randn(p, k, r, generator=_gen(4))
+    b = torch.randn(p, k, c, generator=_gen(5))
+    at[1, 0, 0] = math.nan
+    b[3, 1, 2] = math.inf
+    kept = torch.tensor([True, False, True, False, True])
+    f = torch.where(kept, torch.rand(p, generator=_gen(6)), 0.0)
+    for fast in (torch.zeros(p, dtype=torch.bool), torch.ones(p, dtype=torch.bool)):
+        got = per_example_mm(at, b, kept, f, kept_prefix(kept), fast)
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k, r, c", [(300, 5, 7), (64, 128, 96), (17, 33, 65)])
+def test_an_examples_product_does_not_depend_on_its_position_or_the_batch_size(k, r, c):
+    # A BLAS can round one matrix's product differently with its operands' alignment or the
+    # size of a batched call: bmm at K = 300, R = 5, C = 7 gave entries that differed with the
+    # example's index and the batch size on this machine. Removing an example shifts every
+    # later one's index, so the others' rounding must not move: each example is copied to the
+    # same buffers and multiplied alone.
+    n = 12
+    at = torch.randn(n, k, r, generator=_gen(7))
+    b = torch.randn(n, k, c, generator=_gen(8))
+    f = torch.rand(n, generator=_gen(9)) + 0.5
+    fast = torch.ones(n, dtype=torch.bool)
+    j = 5
+    alone = per_example_mm(at[j:j + 1], b[j:j + 1], torch.ones(1, dtype=torch.bool), f[j:j + 1],
+                           kept_prefix(torch.ones(1, dtype=torch.bool)), fast[:1])
+    for start in range(0, j + 1):
+        for stop in (j + 1, n):
+            kept = torch.zeros(stop - start, dtype=torch.bool)
+            kept[j - start] = True
+            got = per_example_mm(at[start:stop], b[start:stop], kept, f[start:stop], kept_prefix(kept), fast[start:stop])
+            assert torch.equal(got, alone), (start, stop)
+    # And the sum: removing example j moves it by j's own contribution, up to float64 rounding.
+    kept = torch.ones(n, dtype=torch.bool)
+    others = kept.clone()
+    others[j] = False
+    both = per_example_mm(at, b, kept, f, kept_prefix(kept), fast)
+    rest = per_example_mm(at, b, others, torch.where(others, f, 0), kept_prefix(others), fast)
+    assert float((both - rest - alone).norm()) <= 2.0**-48 * float(both.norm() + rest.norm())
+
+
+def test_fake_impl_gives_shape_and_dtype():
+    with FakeTensorMode():
+        out = PER_EXAMPLE_MM(
+            torch.empty(4, 40, 3), torch.empty(4, 40, 5), torch.empty(4, dtype=torch.bool),
+            torch.empty(4, dtype=torch.float32), torch.empty((), dtype=torch.int64), torch.empty(4, dtype=torch.bool),
+        )
+    assert out.shape == (3, 5) and out.dtype == F64
+
+
+def _linear_step(r, c, **kw):
+    model = nn.Linear(r, c, bias=False)
+    loss = lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum()  # noqa: E731 - G_i = sum_k w_k x_k^T
+    return model, compile_dp(loss, model=model, backend="aot_eager", **kw)
+
+
+def _targets(step):
+    gm = list(step._cache.values())[-1].traced.gm
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _exact_grads(x, w):
+    return torch.einsum("pkc,pkr->pcr", w.double(), x.double())
+
+
+def test_a_long_float32_layer_on_the_cpu_sums_example_by_example_and_matches_the_oracle():
+    p, k, r, c = 6, 64, 64, 80
+    x = torch.randn(p, k, r, generator=_gen(10)) * 0.1
+    w = torch.randn(p, k, c, generator=_gen(11))
+    model, step = _linear_step(r, c, clipping_norm=1.0)
+    out = step(x, w).clipped
+    targets = _targets(step)
+    assert targets.count(PER_EXAMPLE_MM) == 1 and targets.count(BOOKKEEPING_MM) == 0
+    g = _exact_grads(x, w)
+    exact = g.flatten(1).norm(dim=1)
+    norms = out.per_example_norms.double()
+    # Never below the exact norm; ordinary examples within PER_EXAMPLE_OVERCLIP (and the Gram
+    # form's own bound) of it.
+    assert bool((norms >= exact).all())
+    assert float((norms / exact).max()) <= 1 + 2 * _factors.PER_EXAMPLE_OVERCLIP
+    f = torch.clamp(effective_clipping_norm(1.0, torch.float32) / norms, max=1.0)
+    assert float(f.max()) < 1  # (every example clipped)
+    want = (g * f.view(p, 1, 1)).sum(0)
+    torch.testing.assert_close(out.grads["weight"], want, rtol=1e-5, atol=1e-7)
+
+
+def test_short_or_narrow_layers_keep_the_float64_product_over_all_rows():
+    # K = 1 (an MLP): one call per example would cost ~10x the product.
+    _, step = _linear_step(64, 80, clipping_norm=1.0)
+    step(torch.randn(8, 1, 64), torch.randn(8, 1, 80))
+    assert _targets(step).count(PER_EXAMPLE_MM) == 0 and _targets(step).count(BOOKKEEPING_MM) == 1
+    # R C below PER_EXAMPLE_MIN_SIZE.
+    _, step = _linear_step(8, 8, clipping_norm=1.0)
+    step(torch.randn(4, 64, 8), torch.randn(4, 64, 8))
+    assert _targets(step).count(PER_EXAMPLE_MM) == 0
+
+
+def test_the_accelerator_branch_keeps_the_float64_product(monkeypatch):
+    monkeypatch.setattr(_kernels, "_host_reads_are_free", lambda t: False)
+    _, step = _linear_step(64, 80, clipping_norm=1.0)
+    step(torch.randn(4, 64, 64), torch.randn(4, 64, 80))
+    assert _targets(step).count(PER_EXAMPLE_MM) == 0
+
+
+def test_examples_whose_inputs_share_a_direction_take_the_float64_product_and_keep_tight_norms():
+    # Anisotropic inputs under output gradients that sum to zero over positions: the mass S
+    # reads the shared direction, the exact norm does not, so gamma_K S would over-clip such
+    # an example by ~1 % at K = 256. Each example chooses for itself: these go to float64
+    # (their norm unchanged), the ordinary ones in the same batch stay float32.
+    p, k, r, c = 4, 256, 384, 384
+    g = _gen(12)
+    x = torch.randn(p, k, r, generator=g)
+    x[:2] += 20.0 * torch.randn(2, 1, r, generator=g)
+    w = torch.randn(p, k, c, generator=g)
+    w[:2] -= w[:2].mean(dim=1, keepdim=True)
+    _, step = _linear_step(r, c, clipping_norm=1.0)
+    norms = step(x, w).clipped.per_example_norms.double()
+    assert _targets(step).count(PER_EXAMPLE_MM) == 1
+    exact = _exact_grads(x, w).flatten(1).norm(dim=1)
+    assert bool((norms >= exact).all())
+    assert float((norms / exact).max()) <= 1.001, norms / exact
+    # What the float32 bound would have added to the anisotropic examples: far beyond that.
+    s = _mass(w, x)
+    assert float((gamma(k, U32) * s[:2] / exact[:2]).min()) > 4e-3
+
+
+@pytest.mark.parametrize("kind", ["identical", "cancel", "range"])
+def test_removing_one_example_moves_the_released_sum_by_at_most_c(kind):
+    # Hostile batches on the per-example path: identical examples (any systematic rounding
+    # adds up), positions that nearly cancel (mass up to KAPPA C), entries from 1e-30 to 1e19.
+    # Every example is clipped (C far below the norms), and removing any one moves the sum by
+    # at most C.
+    p, k, r, c = 24, 64, 64, 64
+    g = _gen(13)
+    if kind == "identical":
+        x = torch.randn(1, k, r, generator=g).repeat(p, 1, 1)
+        w = torch.randn(1, k, c, generator=g).repeat(p, 1, 1)
+    else:
+        x = torch.randn(p, k, r, generator=g)
+        w = torch.randn(p, k, c, generator=g)
+    if kind == "cancel":
+        delta = torch.logspace(-7, -1, p, dtype=F64).view(p, 1, 1)
+        x[:, 1::2] = (x[:, 0::2].double() * (1 + delta)).float()
+        w[:, 1::2] = -w[:, 0::2]
+    elif kind == "range":
+        x = x * torch.logspace(-30, 19, p).view(p, 1, 1)
+    clip = 1e-3 if kind != "range" else 1e-30
+    _, step = _linear_step(r, c, clipping_norm=clip)
+    full = step(x, w).clipped.grads["weight"].double()
+    assert _targets(step).count(PER_EXAMPLE_MM) == 1
+    worst = 0.0
+    for j in (0, 1, p // 2, p - 1):
+        keep = [i for i in range(p) if i != j]
+        rest = step(x[keep], w[keep]).clipped.grads["weight"].double()
+        worst = max(worst, float((full - rest).norm()) / clip)
+    assert worst <= 1.0, worst
+
+
+def test_the_norm_bound_covers_the_float32_product_that_is_released():
+    # Width 256 at K = 600: the norm is a float64 Gram form (fast_gram_ok: no), tight. The released
+    # product is float32, and an example can steer its own rounding: one unit term, then K - 1
+    # terms just above half an ulp of 1, each addition rounding up (a float32 sum of
+    # 1 + 599 * 2^-24 (1 + 2^-10) comes out ~1.5e-5 above it with this BLAS). The clip factor must
+    # use a bound on what is released, not on the exact gradient.
+    p, k, r, c = 2, 600, 256, 256
+    x = torch.zeros(p, k, r)
+    w = torch.zeros(p, k, c)
+    w[:, :, 0] = 1.0
+    x[:, 0, 0] = 1.0
+    x[:, 1:, 0] = 2.0**-24 * (1 + 2.0**-10)
+    x[1] = torch.randn(k, r, generator=_gen(14))  # an ordinary example beside it
+    w[1] = torch.randn(k, c, generator=_gen(15))
+    _, step = _linear_step(r, c, clipping_norm=1e-3, rewrites=[GhostClipping(force={"weight": "ghost"})])
+    norms = step(x, w).clipped.per_example_norms.double()
+    assert _targets(step).count(PER_EXAMPLE_MM) == 1
+    ones = torch.ones(1, dtype=torch.bool)
+    for i in range(p):
+        # What the step releases for example i (times its clip factor): the operator's product.
+        released = per_example_mm(w[i:i + 1], x[i:i + 1], ones, torch.ones(1), kept_prefix(ones), ones).norm()
+        exact = _exact_grads(x[i:i + 1], w[i:i + 1]).norm()
+        if i == 0:
+            assert float(released / exact) > 1 + 2e-6  # (the construction bites)
+        assert float(norms[i]) >= float(released), (i, float(norms[i] / released))
+
+
+class _TiedLM(nn.Module):
+    """Token embedding, a nonlinearity, and the embedding as the output layer (a tied LM head):
+    one parameter with a one-hot term (the lookup) and a dense one (the head)."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.emb(ids)) @ self.emb.weight.T
+
+
+@pytest.mark.parametrize("force", [None, "ghost"])
+def test_a_tied_head_sums_its_dense_term_example_by_example_and_matches_the_oracle(force):
+    vocab, d, p, k = 96, 64, 5, 48
+    torch.manual_seed(16)
+    model = _TiedLM(vocab, d)
+    ids = torch.randint(0, vocab, (p, k), generator=_gen(17))
+    y = torch.randint(0, vocab, (p, k), generator=_gen(18))
+
+    def loss(m, ids, y):
+        return nn.functional.cross_entropy(m(ids).flatten(0, 1), y.flatten(), reduction="sum") / ids.shape[0]
+
+    rewrites = None if force is None else [GhostClipping(force={"emb.weight": force})]
+    step = compile_dp(loss, model=model, clipping_norm=0.5, backend="aot_eager", rewrites=rewrites)
+    out = step(ids, y).clipped
+    assert "embedding+linear" in step.coverage["emb.weight"]
+    assert _targets(step).count(PER_EXAMPLE_MM) == 1
+    # The oracle: float64 per-example gradients, clipped with the step's norm bounds.
+    ref = _TiedLM(vocab, d).double()
+    ref.load_state_dict({n: t.double() for n, t in model.state_dict().items()})
+    per = torch.func.vmap(
+        torch.func.grad(lambda w, i, t: loss(lambda x: torch.func.functional_call(ref, {"emb.weight": w}, (x,)), i[None], t[None])),
+        in_dims=(None, 0, 0),
+    )(ref.emb.weight.detach(), ids, y)
+    exact = per.flatten(1).norm(dim=1)
+    norms = out.per_example_norms.double()
+    assert bool((norms >= exact).all())
+    assert float((norms / exact).max()) <= 1 + 2 * _factors.PER_EXAMPLE_OVERCLIP
+    f = torch.clamp(effective_clipping_norm(0.5, torch.float32) / norms, max=1.0)
+    want = (per * f.view(p, 1, 1)).sum(0)
+    torch.testing.assert_close(out.grads["emb.weight"], want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.inductor
+def test_inductor_lowers_the_per_example_operator_and_agrees_with_aot_eager():
+    # The operator is opaque to Inductor (an extern call reading a transposed view and the
+    # per-example choice); the released sum matches the aot_eager graph's to rounding.
+    p, k, r, c = 4, 64, 64, 80
+    x = torch.randn(p, k, r, generator=_gen(19))
+    w = torch.randn(p, k, c, generator=_gen(20))
+    model = nn.Linear(r, c, bias=False)
+    loss = lambda m, x, w: (m(x) * w).sum(dim=(1, 2)).sum()  # noqa: E731
+    eager = compile_dp(loss, model=model, clipping_norm=1.0, backend="aot_eager")
+    lowered = compile_dp(loss, model=model, clipping_norm=1.0)
+    want = eager(x, w).clipped.grads["weight"]
+    got = lowered(x, w).clipped.grads["weight"]
+    assert _targets(lowered).count(PER_EXAMPLE_MM) == 1
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
