@@ -307,3 +307,23 @@ def test_inductor_lowers_the_per_example_operator_and_agrees_with_aot_eager():
     got = lowered(x, w).clipped.grads["weight"]
     assert _targets(lowered).count(PER_EXAMPLE_MM) == 1
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("slab", [1, 7, 64])
+def test_the_float64_additions_slab_by_slab_give_the_same_sum_bit_for_bit(monkeypatch, slab):
+    # Each entry's additions are the same whatever the slab (elementwise float64 operations),
+    # including the first example's product, written without a zero fill, and float64 examples.
+    p, k, r, c = 5, 33, 9, 11
+    at = torch.randn(p, k, r, generator=_gen(21))
+    b = torch.randn(p, k, c, generator=_gen(22))
+    f = torch.rand(p, generator=_gen(23))
+    f[0] = 0.0  # (skipped: the first example to add is the second)
+    kept = torch.tensor([True, True, False, True, True])
+    fast = torch.tensor([True, False, True, True, False])
+    want = per_example_mm(at, b, kept, f, kept_prefix(kept), fast)
+    monkeypatch.setattr(_kernels, "_SLAB", slab)
+    got = per_example_mm(at, b, kept, f, kept_prefix(kept), fast)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-6)
+    none = torch.zeros(p, dtype=torch.bool)
+    assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none), fast), torch.zeros(r, c, dtype=F64))

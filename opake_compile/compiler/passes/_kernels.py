@@ -188,27 +188,42 @@ def per_example_mm(
     rows = _kept_prefix(kept_prefix)
     index = range(rows) if rows is not None else kept.nonzero().view(-1).tolist()
     weights, in_float32 = factor.to(wide).tolist(), fast.tolist()
-    total = torch.zeros((r, c), dtype=wide)
-    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-    prod = torch.empty((r, c), dtype=torch.float32)
-    cast = torch.empty((r, c), dtype=wide)  # (an in-place float64 += float32 add is ~4x slower)
+    total = torch.empty((r * c,), dtype=wide)
+    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    slab = torch.empty((min(_SLAB, r * c),), dtype=wide)
+    first = True
     for i in index:
         w = weights[i]
         if w == 0.0:  # adds exactly zero
             continue
         dtype = torch.float32 if in_float32[i] else wide
-        if dtype not in buffers:
-            buffers[dtype] = (torch.empty((k, r), dtype=dtype), torch.empty((k, c), dtype=dtype))
-        left, right = buffers[dtype]
+        if dtype not in buffers:  # (allocated once per call: the same addresses for every example)
+            buffers[dtype] = (torch.empty((k, r), dtype=dtype), torch.empty((k, c), dtype=dtype), torch.empty((r, c), dtype=dtype))
+        left, right, prod = buffers[dtype]
         left.copy_(at[i])
         right.copy_(b[i])
-        if dtype == wide:
-            torch.mm(left.t(), right, out=cast)
-        else:
-            torch.mm(left.t(), right, out=prod)
-            cast.copy_(prod)
-        total.add_(cast, alpha=w)
-    return total
+        torch.mm(left.t(), right, out=prod)
+        flat = prod.view(-1)
+        # Cast and added slab by slab: a float32 product is cast exactly into a small float64
+        # buffer that stays in cache (an in-place float64 += float32 add is ~4x slower, and
+        # an R x C float64 copy is one more large buffer to fault in at every call).
+        for start in range(0, r * c, _SLAB):
+            part = flat[start : start + _SLAB]
+            if dtype != wide:
+                part = slab[: part.shape[0]].copy_(part)
+            out = total[start : start + _SLAB]
+            if first:
+                torch.mul(part, w, out=out)
+            else:
+                out.add_(part, alpha=w)
+        first = False
+    if first:  # no example adds anything
+        total.zero_()
+    return total.view(r, c)
+
+
+#: Entries per slab of :func:`per_example_mm`'s float64 additions (2 MiB of float64).
+_SLAB = 1 << 18
 
 
 def _rows_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
