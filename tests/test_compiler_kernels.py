@@ -234,11 +234,6 @@ def test_underflow_threshold_leaves_ordinary_training_alone(c, k, r_s, c_p, floo
     assert _kernels._caught_on_host(small, 2, torch.ones(1, 1, 1), clip, torch.float32) is None
 
 
-def _partner_sq(partner):
-    """The graph's bound on each example's sum of squares of the partner, in float64."""
-    return partner.double().pow(2).sum((1, 2))
-
-
 @pytest.mark.parametrize("prefix", [True, False], ids=["kept-prefix", "selects"])
 def test_removing_one_example_changes_a_float32_bookkeeping_sum_by_its_own_product(prefix):
     # Identical near-cancelling examples made a float32 product's rounding systematic, and one
@@ -271,37 +266,6 @@ def test_removing_one_example_changes_a_float32_bookkeeping_sum_by_its_own_produ
     rest_exact = float(sum(f[i].double() * (at[i, :, 0].double() @ b[i, :, 0].double()) for i in range(m)))
     assert abs(without - rest_exact) <= 2.0**-50 * abs(rest_exact)
     assert abs(with_it - without - own) <= 2.0**-50 * (abs(with_it) + own)
-
-
-@pytest.mark.parametrize("prefix", [True, False], ids=["kept-prefix", "selects"])
-def test_the_graphs_partner_bound_gives_the_operand_tests_result(prefix):
-    # The host test's first look uses the graph's per-example bound on the partner's sum of
-    # squares instead of reading the operand. Any bound past the threshold (a huge entry, a
-    # bound that overflowed to inf, a NaN) sends the call to the per-example test, so the sum
-    # is the one the operand's own extremes give, bit for bit.
-    from opake_compile.compiler.passes import _kernels
-
-    clip = torch.tensor(2.0**-100, dtype=F64)
-    g = _gen(3)
-    # (Float64 factors: float32 ones are formed exactly in float64, with no test to run.)
-    at, b = torch.randn(6, 4, 2, generator=g, dtype=F64), torch.randn(6, 4, 5, generator=g, dtype=F64)  # R < C: b is the partner
-    assert _kernels.partner_of(2, 5) == "b" and _kernels.partner_of(5, 2) == "at"
-    f = torch.full((6,), 0.25, dtype=F64)
-    at[2, 1], b[2, 3] = 2.0**-1060, 8 * float(clip) * _kernels._per_clip(b[:1], 2, torch.float64)
-    kept = torch.ones(6, dtype=torch.bool)
-    if not prefix:
-        kept[4] = False
-        at[4] = float("nan")
-    f = torch.where(kept, f, 0)
-    want = _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip)
-    for psq in (_partner_sq(b), torch.full((6,), math.inf, dtype=F64), torch.full((6,), math.nan, dtype=F64)):
-        assert torch.equal(_kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip, psq), want)
-    # The ordinary case: nothing near the threshold, no example caught, the same sum.
-    at[2, 1], b[2, 3] = 0.5, 0.5
-    assert torch.equal(
-        _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip, _partner_sq(b)),
-        _kernels.bookkeeping_mm(at, b, kept, f, _kernels.kept_prefix(kept), clip),
-    )
 
 
 def test_a_cpu_step_of_a_float32_model_never_reads_an_operand_on_the_host(monkeypatch):

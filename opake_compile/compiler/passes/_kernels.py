@@ -32,8 +32,7 @@ __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "per_example_mm", "PER_EXAMPLE_MM
 
 _LIB = torch.library.Library("opake", "DEF")
 _LIB.define(
-    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor clip, "
-    "Tensor? partner_sq=None) -> Tensor"
+    "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor clip) -> Tensor"
 )
 _LIB.define("per_example_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor fast) -> Tensor")
 # Any strides will do (its products read views): the backend need not copy a sliced or
@@ -48,7 +47,6 @@ def bookkeeping_mm(
     factor: torch.Tensor,
     kept_prefix: torch.Tensor,
     clip: torch.Tensor,
-    partner_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sum_i factor[i] * at[i]^T @ b[i]`` over the examples with ``kept[i]``.
 
@@ -63,14 +61,6 @@ def bookkeeping_mm(
             layer's call, rather than reduced and tested again in each).
         clip: 0-d float64, the effective clipping norm ``C_eff``; the test of
             :func:`underflow_unsafe` measures the scaled operand's underflow against it.
-        partner_sq: optional ``(P,)`` float64, per example an upper bound on the sum of
-            squares of the partner operand of the CPU test (:func:`partner_of`), computed in
-            the graph (a vectorised reduction the backend fuses near the operand's producer);
-            ``max |partner|`` of every example is at most its square root, so when all of them
-            are below the test's threshold no example can be caught and the operand is not
-            read again on the host (an ``aminmax`` cost 3-4 % of the MLP and encoder benches'
-            steps). Without it, or for any other partner, the test reads the operand.
-
     Returns:
         ``(R, C)`` float64: float32 (or lower) factors are scaled and multiplied exactly and
         summed in float64 (:func:`_wide_bookkeeping`); float64 ones as described below.
@@ -93,13 +83,12 @@ def bookkeeping_mm(
     rows = _kept_prefix(kept_prefix)
     if rows is not None and rows < p:
         at, b, kept, factor = at[:rows], b[:rows], kept[:rows], factor[:rows]
-        partner_sq = None if partner_sq is None else partner_sq[:rows]
         p = rows
     f3 = factor.view(p, 1, 1)
     if rows is not None:
         # Few dispatches on this path: it runs once per layer per step on small models too.
         scale_left = partner_of(r, c) == "b"
-        caught = _caught_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc, partner_sq)
+        caught = _caught_on_host(b if scale_left else at, r if scale_left else c, f3, clip, acc)
         if scale_left:
             left = torch.mul(at, f3) if at.dtype == acc else at.to(acc).mul_(f3)
             right = b if b.dtype == acc else b.to(acc)
@@ -117,10 +106,9 @@ def bookkeeping_mm(
         # zeroed the factor of any example the test would catch, for every term of the
         # parameter together (_factors.emit_clipped_sum).
         if _host_reads_are_free(at):
-            # The partner here is always b (the scaled operand is at): its bound serves when
-            # the graph emitted it for b; an excluded example's (f = 0) is never caught.
-            psq = torch.where(kept, partner_sq, 0) if partner_sq is not None and partner_of(r, c) == "b" else None
-            caught = _caught_on_host(right, r, f3, clip, acc, psq)
+            # The partner here is always b (the scaled operand is at); an excluded example
+            # (f = 0) is never caught.
+            caught = _caught_on_host(right, r, f3, clip, acc)
         else:
             caught = None
         left.mul_(f3)
@@ -294,7 +282,7 @@ def _split_exact(
 def partner_of(r: int, c: int) -> str:
     """Which operand the CPU path leaves unscaled (the partner of the underflow test) for
     ``at`` (P, K, R) and ``b`` (P, K, C): ``"b"`` when ``R <= C`` (the clip factor scales the
-    smaller ``at``), else ``"at"``. The graph emits ``partner_sq`` for this operand."""
+    smaller ``at``), else ``"at"``."""
     return "b" if r <= c else "at"
 
 
@@ -357,24 +345,19 @@ def _exact_scaling(
     return left, right
 
 
-def _caught_on_host(partner, scaled_cols, f3, clip, acc, partner_sq=None) -> torch.Tensor | None:
+def _caught_on_host(partner, scaled_cols, f3, clip, acc) -> torch.Tensor | None:
     """:func:`underflow_unsafe` per example, ``(P,)`` bool, on the CPU; ``None`` where it
     catches no example. No example can be caught when no entry of ``partner`` reaches the
-    threshold (the common case by ~2^80 at ordinary C): that is tested first, from the
-    graph's per-example bound ``partner_sq`` on the sums of squares when given (its largest
-    value, square-rooted, bounds every entry; one read of P numbers), else from the
-    operand's extremes (one pass over it). The per-example test runs only when the first
-    test fails (an entry or a bound past the threshold, an overflowed bound, a NaN)."""
+    threshold (the common case by ~2^80 at ordinary C): that is tested first from the
+    operand's extremes (one pass over it); the per-example test runs only when it fails (an
+    entry past the threshold, a NaN). Float64 factors only: float32 ones are scaled exactly
+    in float64 (:func:`_wide_bookkeeping`)."""
     if partner.numel() == 0:  # no example kept (or no positions): nothing is scaled
         return None
     threshold = float(clip) * _per_clip(partner, scaled_cols, acc)
-    if partner_sq is not None:
-        if math.sqrt(float(partner_sq.max())) <= threshold:  # (NaN and inf fail the test)
-            return None
-    else:
-        lo, hi = torch.aminmax(partner)
-        if max(-float(lo), float(hi)) <= threshold:
-            return None
+    lo, hi = torch.aminmax(partner)
+    if max(-float(lo), float(hi)) <= threshold:  # (NaN fails the test)
+        return None
     caught = underflow_unsafe(_eager, partner, scaled_cols, f3, clip, acc).view(-1)
     return caught if bool(caught.any()) else None
 
@@ -481,8 +464,7 @@ _LIB.impl("per_example_mm", per_example_mm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("opake::bookkeeping_mm")
-def _(at, b, kept, factor, kept_prefix, clip, partner_sq=None) -> torch.Tensor:  # (the operator's tensors)
-    torch._check(partner_sq is None or (partner_sq.shape == (at.shape[0],) and partner_sq.dtype == torch.float64))
+def _(at, b, kept, factor, kept_prefix, clip) -> torch.Tensor:  # (the operator's tensors)
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)

@@ -127,16 +127,14 @@ things are needed:
    ``2^-150 sqrt(R_s) K sqrt(C_p) max |partner|`` could exceed :data:`UNDERFLOW_SHARE` of
    ``C_eff`` (``_kernels.underflow_unsafe``; ``f_i = 1`` is never caught; at C >= 10^-6 and
    GPT-2 shapes only partners beyond ~2^80 are). ``opake::bookkeeping_mm`` tests this on the
-   CPU (first against the graph's per-example upper bound on the partner's sum of squares,
-   whose square root bounds every entry: only a bound past the threshold, an overflowed one
-   or a NaN sends it to the per-example test) and then forms a caught example's float32
-   products in float64 (exact), every other example's exactly as if none had been caught,
-   and rounds the total once (per example: when
-   one caught example switched the whole call, removing it also removed the float32 rounding
-   of every other product, systematic over identical near-cancelling examples: 1.019 C), or,
-   for float64 sums, applies ``f_i`` to the operand with the larger entries and refuses
-   (``UnsupportedOperationError``) an example whose two operands are both beyond ~2^890
-   (unreachable in practice: its rescaled norm overflows first and it is dropped as
+   CPU (first from the partner's extremes: only an entry past the threshold or a NaN sends
+   it to the per-example test), then forms a caught example's product with ``f_i`` applied
+   to the operand with the larger entries, every other example's exactly as if none had been
+   caught, and adds the two once (per example: when one caught example switched the whole
+   call, removing it also changed the rounding of every other product, systematic over
+   identical near-cancelling examples: 1.019 C); it refuses (``UnsupportedOperationError``)
+   an example whose two operands are both beyond ~2^890 (unreachable in practice: its
+   rescaled norm overflows first and it is dropped as
    non-finite). Grouped convolutions' in-graph sums always form float32 products in float64
    (``_factors._grouped_sum``). Where the test would be a host synchronisation (the operator
    on an accelerator) or cannot branch (``bookkeeping="fused"``'s in-graph products), the
