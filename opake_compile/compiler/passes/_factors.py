@@ -44,6 +44,7 @@ from opake_compile.compiler.passes import _kernels
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
+    KAPPA,
     FLOAT64_TINY,
     NORM_DTYPE,
     emit_sq_sum,
@@ -67,7 +68,7 @@ __all__ = [
     "emit_sq_norm_materialized",
     "emit_clipped_sum",
     "per_example_sum_ok",
-    "emit_per_example_choice",
+    "emit_per_example_bound",
     "merge_groups",
     "merge_parts",
     "value_key",
@@ -1085,11 +1086,11 @@ def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str
     Yes for the dense terms of an ungrouped block of float32 (or lower) factors on the CPU
     with per-layer book-keeping (a one-hot term beside them, a tied LM head's embedding, stays
     a float64 scatter), with at least :data:`PER_EXAMPLE_MIN_K` positions and
-    :data:`PER_EXAMPLE_MIN_SIZE` entries, while an ordinary example's float32 rounding (``gamma_K sqrt(K)`` of its norm,
-    :func:`emit_per_example_choice`) stays within :data:`FAST_GRAM_OVERCLIP`, and while float32
-    products are IEEE (the choice per example is :func:`emit_per_example_choice`'s). On an
-    accelerator the float64 product over all rows needs no host read, and data-centre GPUs
-    multiply float64 at about their IEEE float32 rate.
+    :data:`PER_EXAMPLE_MIN_SIZE` entries, while the norm bound's raise costs at most
+    :data:`FAST_GRAM_OVERCLIP` (``gamma_K KAPPA``, :func:`emit_per_example_bound`: K up to
+    1048), and while float32 products are IEEE. On an accelerator the float64 product over all
+    rows needs no host read, and data-centre GPUs multiply float64 at about their IEEE float32
+    rate.
     """
     dense = [f for f in factors if not f.onehot]  # (one-hot terms are float64 scatters anyway)
     if acc == NORM_DTYPE or bookkeeping != "per_layer" or not dense:
@@ -1103,57 +1104,43 @@ def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str
         if f.k < PER_EXAMPLE_MIN_K or f.rows * f.cols < PER_EXAMPLE_MIN_SIZE:
             return False
     k = max(f.k for f in dense)
-    return gamma(k, unit_roundoff(torch.float32, matmul=True)) * math.sqrt(k) <= FAST_GRAM_OVERCLIP
+    return gamma(k, unit_roundoff(torch.float32, matmul=True)) * KAPPA <= FAST_GRAM_OVERCLIP
 
 
-#: The most a float32 per-example product may raise an example's norm bound, relative to
-#: it, for :func:`emit_per_example_choice` to choose it (else that example's product is
-#: float64). Ordinary examples (mass / norm ~ sqrt(K)) add ``gamma_K sqrt(K)``: 2.4e-4 at
-#: K = 256, 6.9e-4 at K = 512, 2e-3 at K = 1024 (float64 there); inputs that share a
-#: direction (anisotropic hidden states) raise the mass and go to float64.
-PER_EXAMPLE_OVERCLIP = 2.0**-10
-
-#: The largest mass for which a float32 per-example product cannot overflow: every partial sum
-#: of an entry is at most ``(1 + gamma_K) S``, below float32's 2^128.
-_PER_EXAMPLE_MAX_MASS = 2.0**120
-
-
-def emit_per_example_choice(
+def emit_per_example_bound(
     em: Emitter, factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, acc: torch.dtype, bookkeeping: str
-) -> tuple[fx.Node, fx.Node | None]:
-    """Where a block's sum is formed example by example (:func:`per_example_sum_ok`), choose
-    per example between a float32 and a float64 product (``opake::per_example_mm``'s
-    ``fast``) and raise the squared norm bound ``sq`` to cover what the chosen product adds.
+) -> fx.Node:
+    """The squared norm bound ``sq`` of a block, raised where its sum is formed example by
+    example (:func:`per_example_sum_ok`) to bound what that sum adds; unchanged otherwise.
 
     Example i's float32 product is within ``e_i = gamma_K S_i + K sqrt(R C) 2^-149`` of its
     exact gradient ``G_i`` (Higham 2002, Thm 3.5, any order of additions; the second term for
     products that underflow; ``S_i = sqrt(mass_sq)``), so ``||fl32(G_i)|| <= nu_i + e_i`` with
-    ``nu_i = sqrt(sq)`` the block's bound. Float32 where ``e_i <= PER_EXAMPLE_OVERCLIP nu_i``
-    and the mass cannot overflow a float32 partial sum; the bound becomes ``nu_i + e_i``
-    there and stays ``nu_i`` where the product is float64 (exact products, float64 sums:
-    within the slack, as every float64 book-keeping sum). Each example's choice reads that
-    example's values alone, so its contribution stays a function of its own data.
+    ``nu_i = sqrt(sq)`` the block's bound on ``||G_i||``. Every example gets the raise, whatever
+    its values: a per-example choice between a float32 and a float64 product would be a
+    threshold on computed norms, whose last bits can differ between two evaluations of the
+    same example (another batch size, another bucket's graph), and an example sitting at the
+    threshold would then add one product or the other depending on the rest of the batch.
+
+    What the raise costs: where the mass cap does not bind (``S_i <= KAPPA nu_i``) at most
+    ``gamma_K KAPPA`` of the norm (:func:`per_example_sum_ok` keeps that within
+    :data:`FAST_GRAM_OVERCLIP`); where it binds, the cap sets the clip factor anyway.
+    Ordinary examples (``S ~ sqrt(K) ||G||``) pay ``gamma_K sqrt(K)``: 2.4e-4 at K = 256.
 
     Returns:
-        ``(sq, fast)``: the squared bound (P,) float64 and the (P,) bool choice, or ``(sq,
-        None)`` unchanged where the block's sum is not formed example by example.
+        the squared bound, (P,) float64.
     """
     if not per_example_sum_ok(factors, acc, bookkeeping):
-        return sq, None
+        return sq
     dense = [f for f in factors if not f.onehot]
     k = max(f.k for f in dense)
     r, c = factors[0].rows, factors[0].cols
-    mass = em(aten.sqrt.default, mass_sq)  # (a one-hot term's mass too: an over-estimate)
-    norm = em(aten.sqrt.default, sq)
-    err = em(aten.mul.Tensor, mass, gamma(k, unit_roundoff(torch.float32, matmul=True)))
+    err = em(aten.mul.Tensor, em(aten.sqrt.default, mass_sq), gamma(k, unit_roundoff(torch.float32, matmul=True)))
     err = em(aten.add.Tensor, err, sum(f.k for f in dense) * math.sqrt(r * c) * FLOAT32_TINY)
-    fast = em(aten.logical_and.default,
-              em(aten.le.Tensor, err, em(aten.mul.Tensor, norm, PER_EXAMPLE_OVERCLIP)),
-              em(aten.le.Scalar, mass, _PER_EXAMPLE_MAX_MASS))  # (NaN: False)
-    # A few float64 operations on non-negative numbers: 1 + 2^-40 covers their rounding.
-    raised = em(aten.mul.Tensor, em(aten.add.Tensor, norm, err), 1.0 + 2.0**-40)
-    raised = em(aten.mul.Tensor, em(aten.mul.Tensor, raised, raised), 1.0 + 2.0**-40)
-    return em(aten.where.self, fast, raised, sq), fast
+    # (A one-hot term's mass is in mass_sq too: an over-estimate.) A few float64 operations on
+    # non-negative numbers: 1 + 2^-40 covers their rounding.
+    raised = em(aten.mul.Tensor, em(aten.add.Tensor, em(aten.sqrt.default, sq), err), 1.0 + 2.0**-40)
+    return em(aten.mul.Tensor, em(aten.mul.Tensor, raised, raised), 1.0 + 2.0**-40)
 
 
 def emit_clipped_sum(
@@ -1165,11 +1152,11 @@ def emit_clipped_sum(
     acc: torch.dtype,
     bookkeeping: str = "per_layer",
     kept_prefix: fx.Node | None = None,
-    fast: fx.Node | None = None,
 ) -> fx.Node:
     """``sum_i f_i G_i`` as one product per term, shape (R, C), float64 (``acc`` is the clip
-    factor's dtype). ``fast``: the per-example choice of :func:`emit_per_example_choice`
-    (the block's dense terms are then summed example by example, ``opake::per_example_mm``).
+    factor's dtype). Where :func:`per_example_sum_ok`, dense terms are summed example by
+    example (``opake::per_example_mm``; its rounding is in the norm bound,
+    :func:`emit_per_example_bound`).
 
     ``bookkeeping="per_layer"`` sums each dense term in one opaque ``opake::bookkeeping_mm``
     call; ``"fused"`` emits the selects and the scaling as plain graph ops (see
@@ -1205,6 +1192,7 @@ def emit_clipped_sum(
             f3 = em(aten.where.self, danger, em(aten.scalar_tensor.default, 0.0, dtype=acc), f3)
             factor = em(aten.view.default, f3, [p])
     f3w = _as_dtype(em, f3, wide)
+    per_example = per_example_sum_ok(factors, acc, bookkeeping)
     total = None
     for f in factors:
         r, k, c = f.rows, f.k, f.cols
@@ -1232,8 +1220,8 @@ def emit_clipped_sum(
             at = em(aten.permute.default, f.a, [0, 2, 1])
             if kept_prefix is None:
                 kept_prefix = _kernels.kept_prefix(kept, em)
-            if fast is not None:  # (its rounding is in the norm: emit_per_example_choice)
-                term = em(PER_EXAMPLE_MM, at, f.b, kept, factor, kept_prefix, fast)
+            if per_example:  # (its rounding is in the norm: emit_per_example_bound)
+                term = em(PER_EXAMPLE_MM, at, f.b, kept, factor, kept_prefix)
             else:
                 term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip)
         total = term if total is None else em(aten.add.Tensor, total, term)

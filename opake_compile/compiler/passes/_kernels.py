@@ -34,7 +34,7 @@ _LIB = torch.library.Library("opake", "DEF")
 _LIB.define(
     "bookkeeping_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor clip) -> Tensor"
 )
-_LIB.define("per_example_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix, Tensor fast) -> Tensor")
+_LIB.define("per_example_mm(Tensor at, Tensor b, Tensor kept, Tensor factor, Tensor kept_prefix) -> Tensor")
 # Any strides will do (its products read views): the backend need not copy a sliced or
 # transposed operand into the layout it had when traced.
 _LIB.define("sliced_gram(Tensor x, Tensor y, int size) -> Tensor", tags=(torch.Tag.flexible_layout,))
@@ -120,41 +120,38 @@ def bookkeeping_mm(
 
 
 def per_example_mm(
-    at: torch.Tensor,
-    b: torch.Tensor,
-    kept: torch.Tensor,
-    factor: torch.Tensor,
-    kept_prefix: torch.Tensor,
-    fast: torch.Tensor,
+    at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor, kept_prefix: torch.Tensor
 ) -> torch.Tensor:
-    """``sum_i factor[i] * P_i`` over the examples with ``kept[i]``, formed one example at a
-    time and added in float64, where ``P_i`` is example i's product ``at[i]^T @ b[i]`` over its
-    own K positions: a float32 product cast exactly to float64 where ``fast[i]``, else a float64
-    product of its float32 factors (exact products, float64 sums).
+    """``sum_i factor[i] * fl32(at[i]^T @ b[i])`` over the examples with ``kept[i]``, formed one
+    example at a time and added in float64: each example's product over its own K positions is
+    a float32 product, cast exactly to float64, scaled and added.
 
     Why: a float32 accumulation over the rows of *several* examples can be steered by the
     data (:func:`_wide_bookkeeping`), so the book-keeping product over all rows is formed in
     float64, which this CPU multiplies at half the float32 rate or less. Here float32 rounding
     stays inside one example: ``fl32(A_i^T B_i)`` is within ``gamma_K S_i`` of the exact
     product entry by entry (S_i the example's mass; Higham 2002, Thm 3.5, any order of
-    additions), plus ``K 2^-149`` per entry for products that underflow. The graph decides
-    ``fast`` per example from that example's own norm bound and mass, and adds the error to
-    its norm bound where it chose float32 (:func:`~._factors.emit_per_example_choice`), so
-    every clipped contribution ``f_i P_i`` has norm at most ``C_eff``; the float64 total then
-    has the rounding of point 3 of :mod:`~opake_compile.compiler.passes.numerics`, over P
-    terms per entry rather than P K.
+    additions), plus ``K 2^-149`` per entry for products that underflow. The graph adds that
+    to every example's norm bound (:func:`~._factors.emit_per_example_bound`), so each clipped
+    contribution ``f_i fl32(A_i^T B_i)`` has norm at most ``C_eff``; the float64 total then has
+    the rounding of point 3 of :mod:`~opake_compile.compiler.passes.numerics`, over P terms per
+    entry rather than P K.
 
-    The rounding of an example's product must depend on its own values and on nothing else:
-    not on its position in the batch, nor on the batch size (which removing an example
-    changes). A BLAS may round a product differently with the alignment of its operands or the
-    size of a batched call (measured here: ``bmm`` with K = 300, R = 5, C = 7 gave entries that
-    differ with the example's index and the batch size, by up to 6e-6). So every example is
-    copied into the same freshly allocated (64-byte aligned) buffers and multiplied by one
-    ``mm`` of one shape: identical calls on identical addresses.
+    What an example adds must depend on its own values and on nothing else: not on its
+    position in the batch, nor on the batch size (which removing an example changes), nor on
+    a choice that another evaluation could make differently. A BLAS may round a product
+    differently with the alignment of its operands or the size of a batched call (measured
+    here: ``bmm`` with K = 300, R = 5, C = 7 gave entries that differ with the example's index
+    and the batch size, by up to 6e-6). So every example is copied into the same freshly
+    allocated (64-byte aligned) buffers and multiplied by one ``mm`` of one shape: identical
+    calls on identical addresses. Every example takes the float32 product; one whose float32
+    product is not finite (a mass near 2^128, whose partial sums leave float32's range; its
+    clip factor is then at most ``KAPPA C / S``) takes a float64 product instead (exact
+    products, float64 sums), decided from that product alone.
 
-    CPU only (it reads ``kept``, ``fast`` and the factors on the host); elsewhere it forms the
-    float64 product of :func:`_wide_bookkeeping`, whose rounding is within the same bound. The
-    graph emits it only for float32 (and lower) factors on the CPU
+    CPU only (it reads ``kept`` and the factors on the host); elsewhere it forms the float64
+    product of :func:`_wide_bookkeeping`, whose rounding is within the same bound. The graph
+    emits it only for float32 (and lower) factors on the CPU
     (:func:`~._factors.per_example_sum_ok`).
 
     Args:
@@ -163,41 +160,49 @@ def per_example_mm(
         kept: ``(P,)`` bool; excluded rows are never read.
         factor: ``(P,)`` clip factors.
         kept_prefix: as for :func:`bookkeeping_mm`.
-        fast: ``(P,)`` bool, per example: a float32 product (else float64).
 
     Returns:
         ``(R, C)`` float64.
     """
     if not _host_reads_are_free(at):
         return _wide_bookkeeping(at, b, kept, factor, kept_prefix)
-    wide = torch.float64
-    p, k, r = at.shape
-    c = b.shape[2]
     rows = _kept_prefix(kept_prefix)
     index = range(rows) if rows is not None else kept.nonzero().view(-1).tolist()
-    weights, in_float32 = factor.to(wide).tolist(), fast.tolist()
+    weights = factor.to(torch.float64).tolist()
+    total = _per_example_total(at, b, index, weights, check=False)
+    if not bool(torch.isfinite(total).all()):
+        # Some example's float32 product overflowed: again, each example checked on its own.
+        total = _per_example_total(at, b, index, weights, check=True)
+    return total
+
+
+def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
+    """The loop of :func:`per_example_mm`; with ``check``, an example whose float32 product is
+    not finite is formed in float64 instead."""
+    wide = torch.float64
+    _, k, r = at.shape
+    c = b.shape[2]
     total = torch.empty((r * c,), dtype=wide)
-    buffers: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    left, right = torch.empty((k, r), dtype=torch.float32), torch.empty((k, c), dtype=torch.float32)
+    prod = torch.empty((r, c), dtype=torch.float32)
     slab = torch.empty((min(_SLAB, r * c),), dtype=wide)
     first = True
     for i in index:
         w = weights[i]
         if w == 0.0:  # adds exactly zero
             continue
-        dtype = torch.float32 if in_float32[i] else wide
-        if dtype not in buffers:  # (allocated once per call: the same addresses for every example)
-            buffers[dtype] = (torch.empty((k, r), dtype=dtype), torch.empty((k, c), dtype=dtype), torch.empty((r, c), dtype=dtype))
-        left, right, prod = buffers[dtype]
         left.copy_(at[i])
         right.copy_(b[i])
         torch.mm(left.t(), right, out=prod)
-        flat = prod.view(-1)
+        flat, exact = prod.view(-1), False
+        if check and not bool(torch.isfinite(prod).all()):
+            flat, exact = torch.mm(left.t().to(wide), right.to(wide)).view(-1), True
         # Cast and added slab by slab: a float32 product is cast exactly into a small float64
         # buffer that stays in cache (an in-place float64 += float32 add is ~4x slower, and
         # an R x C float64 copy is one more large buffer to fault in at every call).
         for start in range(0, r * c, _SLAB):
             part = flat[start : start + _SLAB]
-            if dtype != wide:
+            if not exact:
                 part = slab[: part.shape[0]].copy_(part)
             out = total[start : start + _SLAB]
             if first:
@@ -474,10 +479,9 @@ def _(at, b, kept, factor, kept_prefix, clip) -> torch.Tensor:  # (the operator'
 
 
 @torch.library.register_fake("opake::per_example_mm")
-def _(at, b, kept, factor, kept_prefix, fast) -> torch.Tensor:
+def _(at, b, kept, factor, kept_prefix) -> torch.Tensor:
     torch._check(at.dim() == 3 and b.dim() == 3 and at.shape[:2] == b.shape[:2])
     torch._check(kept.shape == (at.shape[0],) and kept.dtype == torch.bool)
-    torch._check(fast.shape == (at.shape[0],) and fast.dtype == torch.bool)
     torch._check(factor.shape == (at.shape[0],) and factor.dtype.is_floating_point)
     torch._check(kept_prefix.dim() == 0 and kept_prefix.dtype == torch.int64)
     return at.new_empty((at.shape[2], b.shape[2]), dtype=torch.float64)

@@ -78,10 +78,10 @@ things are needed:
    On the CPU, a dense term with at least 32 positions per example is summed example by
    example instead (``opake::per_example_mm``, :func:`~._factors.per_example_sum_ok`): each
    example's product over its own positions is a float32 product, within ``gamma_K S_i`` of
-   the exact one, an error of that example alone, which its norm bound includes
-   (:func:`~._factors.emit_per_example_choice`: float32 per example where that raises the bound
-   by at most 2^-10, else a float64 product); the products are then added in float64. It
-   costs about a float32 product where the float64 one over all rows costs twice that.
+   the exact one, an error of that example alone, which every example's norm bound includes
+   (:func:`~._factors.emit_per_example_bound`: at most ``gamma_K KAPPA`` of the norm, 0.1 % at
+   K = 256); the products are then added in float64. It costs about a float32 product where
+   the float64 one over all rows costs twice that.
    What remains is rounding inside one example (its materialised ``f_i g_i``, entry by entry,
    its own contribution) and the float64 accumulation, whose error is at most ``gamma_n`` (n
    the rows added) times the masses ``f_j S_j`` of *all* examples, not their norms: examples

@@ -39,7 +39,7 @@ from opake_compile.compiler.passes._factors import (
     Factor,
     fast_gram_ok,
     emit_clipped_sum,
-    emit_per_example_choice,
+    emit_per_example_bound,
     emit_sq_norm,
     emit_sq_norm_materialized,
     ghost_cost,
@@ -546,10 +546,10 @@ def _rewrite_parameter(
             else:
                 b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
-            b_sq, fast = emit_per_example_choice(em, block, b_sq, b_mass, sum_acc, bookkeeping)
+            b_sq = emit_per_example_bound(em, block, b_sq, b_mass, sum_acc, bookkeeping)
             sqs.append(b_sq)
             masses.append(b_mass)
-            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix, fast))
+            sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
         new_sq, new_mass = merge_parts(em, sqs, masses)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
