@@ -331,3 +331,22 @@ def test_the_float64_additions_slab_by_slab_give_the_same_sum_bit_for_bit(monkey
     torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-6)
     none = torch.zeros(p, dtype=torch.bool)
     assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
+
+
+def test_an_example_whose_float32_product_overflows_is_formed_in_float64_alone():
+    # Partial sums past float32's range (a mass near 2^128): the float32 product is inf, and
+    # f * inf would poison the sum. That example's product is formed in float64; the others'
+    # are the float32 products they always get, bit for bit.
+    p, k, r, c = 4, 40, 8, 8
+    at = torch.randn(p, k, r, generator=_gen(24))
+    b = torch.randn(p, k, c, generator=_gen(25))
+    at[2], b[2] = at[2].abs() * 1e20, b[2].abs() * 1e20  # products ~1e40: inf in float32
+    f = torch.tensor([0.5, 0.25, 1e-42, 0.75])
+    kept = torch.ones(p, dtype=torch.bool)
+    got = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    assert bool(torch.isfinite(got).all())
+    others = kept.clone()
+    others[2] = False
+    rest = per_example_mm(at, b, others, torch.where(others, f, 0), kept_prefix(others))
+    own = float(f[2].double()) * (at[2].double().T @ b[2].double())
+    torch.testing.assert_close(got - rest, own, rtol=1e-12, atol=float(rest.abs().max()) * 2.0**-50)
