@@ -145,6 +145,15 @@ def test_a_long_float32_layer_on_the_cpu_sums_example_by_example_and_matches_the
     torch.testing.assert_close(out.grads["weight"], want, rtol=1e-5, atol=1e-7)
 
 
+def test_describe_says_which_sums_are_formed_per_example():
+    _, step = _linear_step(64, 80, clipping_norm=1.0)
+    step(torch.randn(4, 64, 64), torch.randn(4, 64, 80))
+    assert "sum: a float32 product per example, added in float64" in step.describe()
+    _, step = _linear_step(64, 80, clipping_norm=1.0)
+    step(torch.randn(4, 1, 64), torch.randn(4, 1, 80))
+    assert "per example" not in step.describe()
+
+
 def test_short_or_narrow_layers_keep_the_float64_product_over_all_rows():
     # K = 1 (an MLP): one call per example would cost ~10x the product.
     _, step = _linear_step(64, 80, clipping_norm=1.0)

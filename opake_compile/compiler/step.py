@@ -631,6 +631,8 @@ class DPStep:
                 lines.append(f"    {name:<{width}}  {path}{why}")
                 if name in notes and path != "materialized" and path.startswith(("materialized", "direct:")):
                     lines.append(f"    {'':<{width}}    {notes[name]}")  # the cost model's numbers
+                if any("/per-example sum" in r.methods.get(name, "") for r in c.reports):
+                    lines.append(f"    {'':<{width}}    sum: a float32 product per example, added in float64")
             for r in c.reports:
                 matched = ", ".join(f"{k}={v}" for k, v in r.matches.items()) or "no match"
                 lines.append(f"    pass {r.name}: {matched}")
