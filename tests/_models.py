@@ -414,3 +414,14 @@ def no_functorch_fallback() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop.*")
         yield
+
+
+def bookkeeping_reference(at, b, kept, factor):
+    """``sum_i factor_i at_i^T b_i`` over the kept examples of ``at`` (P, K, R) and ``b``
+    (P, K, C), one example at a time, products and sums in float64: the oracle of the
+    book-keeping operators (``compiler/passes/_kernels.py``)."""
+    out = torch.zeros(at.shape[2], b.shape[2], dtype=torch.float64)
+    for i in range(at.shape[0]):
+        if kept[i]:
+            out += float(factor[i]) * at[i].double().T @ b[i].double()
+    return out

@@ -9,6 +9,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from _models import bookkeeping_reference
+
 from opake_compile import compile_dp
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, SLICED_GRAM, kept_prefix
 
@@ -21,15 +23,6 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _loop(at, b, kept, factor):
-    """sum_i factor_i at_i^T b_i over kept examples, one example at a time, in float64."""
-    out = torch.zeros(at.shape[2], b.shape[2], dtype=F64)
-    for i in range(at.shape[0]):
-        if kept[i]:
-            out += float(factor[i]) * at[i].double().T @ b[i].double()
-    return out
-
-
 @pytest.mark.parametrize("r,c", [(3, 7), (7, 3), (5, 5)], ids=["r<c", "r>c", "r=c"])
 @pytest.mark.parametrize("k", [1, 4])
 def test_bookkeeping_mm_matches_the_per_example_loop_when_every_example_is_kept(r, c, k):
@@ -40,7 +33,7 @@ def test_bookkeeping_mm_matches_the_per_example_loop_when_every_example_is_kept(
     kept = torch.ones(p, dtype=torch.bool)
     got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert got.shape == (r, c) and got.dtype == F64
-    torch.testing.assert_close(got, _loop(at, b, kept, factor), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, factor), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("r,c", [(3, 7), (7, 3)], ids=["r<c", "r>c"])
@@ -56,7 +49,7 @@ def test_bookkeeping_mm_excluded_rows_with_nan_and_inf_contribute_exactly_zero(r
     factor = torch.where(kept, torch.rand(p, generator=_gen(6), dtype=F64), 0.0)
     got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert bool(torch.isfinite(got).all())
-    want = _loop(at, b, kept, factor)
+    want = bookkeeping_reference(at, b, kept, factor)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     # The excluded rows really are ignored: replacing them changes nothing.
     at2, b2 = at.clone(), b.clone()
@@ -79,7 +72,7 @@ def test_bookkeeping_mm_padded_tail_is_sliced_off_with_its_nan_and_factor(m, r, 
     factor[m:] = math.nan
     got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     assert got.shape == (r, c) and bool(torch.isfinite(got).all())
-    torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
     # The same rows excluded in a pattern that is not a prefix take the select path: same sum.
     perm = torch.tensor([4, 0, 3, 1, 2]) if 0 < m < p else torch.arange(p)
     got2 = BOOKKEEPING_MM(at[perm], b[perm], kept[perm], factor[perm], kept_prefix(kept[perm]), _C)
@@ -93,7 +86,7 @@ def test_bookkeeping_mm_ignores_the_factor_of_an_excluded_example():
     kept = torch.tensor([True, False, True])
     factor = torch.tensor([0.5, math.nan, 0.25], dtype=F64)
     got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
-    torch.testing.assert_close(got, _loop(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, torch.nan_to_num(factor)), rtol=1e-12, atol=1e-12)
 
 
 def test_bookkeeping_mm_forms_low_precision_factors_exactly_and_accumulates_in_float64():
@@ -107,7 +100,7 @@ def test_bookkeeping_mm_forms_low_precision_factors_exactly_and_accumulates_in_f
         for kept in (torch.ones(p, dtype=torch.bool), torch.tensor([True, False, True, True])):
             got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
             assert got.dtype == torch.float64
-            torch.testing.assert_close(got, _loop(at, b, kept, factor), rtol=1e-13, atol=1e-13)
+            torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, factor), rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -128,7 +121,7 @@ def test_bookkeeping_mm_products_with_huge_partners_are_exact_or_refused(dtype):
         factor = torch.tensor([2.0**-108, 0.0])
         kept = torch.tensor([True, False])
         got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), clip)
-        assert float((got.double() - _loop(at, b, kept, factor)).abs().max()) <= 2.0**-20 * float(clip)
+        assert float((got.double() - bookkeeping_reference(at, b, kept, factor)).abs().max()) <= 2.0**-20 * float(clip)
         return
     at[0, :, 0] = torch.tensor([0.0, 2.0**950, 1.0], dtype=dtype)
     b[0, :, 0] = torch.tensor([2.0**950, 0.0, 1.0], dtype=dtype)

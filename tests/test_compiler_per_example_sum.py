@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from _models import bookkeeping_reference
+
 from opake_compile import compile_dp
 from opake_compile.compiler.passes.rewrites import GhostClipping
 from opake_compile.compiler.passes import _factors, _kernels, numerics
@@ -23,15 +25,6 @@ U32 = 2.0**-24
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _exact(at, b, kept, factor):
-    """sum_i factor_i at_i^T b_i over kept examples, products and sums in float64."""
-    out = torch.zeros(at.shape[2], b.shape[2], dtype=F64)
-    for i in range(at.shape[0]):
-        if kept[i]:
-            out += float(factor[i]) * at[i].double().T @ b[i].double()
-    return out
 
 
 def _mass(at, b):
@@ -47,13 +40,13 @@ def test_each_examples_float32_product_stays_within_the_bound_the_graph_adds():
     kept = torch.ones(p, dtype=torch.bool)
     got = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert got.dtype == F64 and got.shape == (r, c)
-    torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
     # Example by example, within f_i gamma_K S_i of the exact product.
     for i in range(p):
         one = torch.zeros(p, dtype=torch.bool)
         one[i] = True
         mine = per_example_mm(at, b, one, f, kept_prefix(one))
-        err = float((mine - _exact(at, b, one, f)).norm())
+        err = float((mine - bookkeeping_reference(at, b, one, f)).norm())
         assert err <= float(f[i]) * gamma(k, U32) * float(_mass(at[i:i + 1], b[i:i + 1])[0]) * 1.001
         assert err > 0  # (really a float32 product: it differs from the exact one)
 
@@ -68,7 +61,7 @@ def test_excluded_examples_with_nan_and_inf_are_never_read():
     f = torch.where(kept, torch.rand(p, generator=_gen(6)), 0.0)
     got = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert bool(torch.isfinite(got).all())
-    torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("k, r, c", [(300, 5, 7), (64, 128, 96), (17, 33, 65)])
@@ -337,7 +330,7 @@ def test_the_float64_additions_slab_by_slab_give_the_same_sum_bit_for_bit(monkey
     monkeypatch.setattr(_kernels, "_SLAB", slab)
     got = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert torch.equal(got, want)
-    torch.testing.assert_close(got, _exact(at, b, kept, f), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
     none = torch.zeros(p, dtype=torch.bool)
     assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
 
