@@ -8,7 +8,10 @@ Rows, all compiled with Inductor in this process and timed in rotating order:
 - ``dp_default``: ``compile_dp`` with its default rewrites;
 - ``dp_ghost_embeddings`` (with ``--compare-ghost-embeddings``): the same with the token and
   position embeddings (and the tied LM head) forced onto the Gram-form norm, the default
-  before the cost model learned the embeddings' scatter-add norm.
+  before the cost model learned the embeddings' scatter-add norm;
+- ``dp_float64_sums`` (with ``--compare-float64-sums``): the same with every book-keeping sum a
+  float64 product over all rows, as before the CPU's per-example float32 products
+  (``opake::per_example_mm``; the graph is traced with ``per_example_sum_ok`` answering no).
 
 ``--threads 1`` (default) times CPU seconds of this process (``time.process_time``) on one
 thread: on a machine shared with other jobs that counts the work done and not the waiting,
@@ -18,6 +21,7 @@ self-CPU table of one step of each row, with Inductor's kernels named
 
     python bench/bench_breakdown.py --model gpt2_t512_b2 --rounds 5 --compare-ghost-embeddings
     python bench/bench_breakdown.py --model gpt2_t256_b8 --rounds 3 --profile
+    python bench/bench_breakdown.py --model gpt2_t256_b8 --rounds 5 --compare-float64-sums
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="1: CPU time on one thread; more: wall time")
     ap.add_argument("--compare-ghost-embeddings", action="store_true")
+    ap.add_argument("--compare-float64-sums", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", type=int, default=25, help="rows of each profile table")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
@@ -75,7 +80,25 @@ def main() -> None:
             spec.loss_fn, model=model, clipping_norm=1.0, physical_batch_size=b, backend="inductor",
             rewrites=[GhostClipping(force=force)],
         )
+    if ns.compare_float64_sums:
+        steps["dp_float64_sums"] = opake.compile_dp(
+            spec.loss_fn, model=model, clipping_norm=1.0, physical_batch_size=b, backend="inductor")
     fns = {"np_grad": np_grad} | {k: (lambda s=s: s(*args)) for k, s in steps.items()}
+    if ns.compare_float64_sums:
+        from opake_compile.compiler.passes import _factors, rewrites
+
+        def float64_sums(s=steps["dp_float64_sums"], traced=[]) -> object:
+            if traced:
+                return s(*args)
+            saved = _factors.per_example_sum_ok
+            _factors.per_example_sum_ok = rewrites.per_example_sum_ok = lambda *a, **k: False
+            try:
+                return s(*args)  # the trace: every sum a float64 product over all rows
+            finally:
+                _factors.per_example_sum_ok = rewrites.per_example_sum_ok = saved
+                traced.append(True)
+
+        fns["dp_float64_sums"] = float64_sums
     print(f"{spec.description}; {ns.threads} thread(s), {'CPU' if ns.threads == 1 else 'wall'} time, load {os.getloadavg()}")
     for k, f in fns.items():
         t0 = time.perf_counter()
