@@ -146,8 +146,10 @@ def per_example_mm(
     allocated (64-byte aligned) buffers and multiplied by one ``mm`` of one shape: identical
     calls on identical addresses. Every example takes the float32 product; one whose float32
     product is not finite (a mass near 2^128, whose partial sums leave float32's range; its
-    clip factor is then at most ``KAPPA C / S``) takes a float64 product instead (exact
-    products, float64 sums), decided from that product alone.
+    clip factor is then at most ``KAPPA C / S``) takes the float32 product of its factors
+    scaled by an exact power of two (:func:`_rescaled_product`), the same product up to
+    subnormal effects, so that being on either side of that threshold does not change what
+    it adds.
 
     CPU only (it reads ``kept`` and the factors on the host); elsewhere it forms the float64
     product of :func:`_wide_bookkeeping`, whose rounding is within the same bound. The graph
@@ -178,7 +180,7 @@ def per_example_mm(
 
 def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
     """The loop of :func:`per_example_mm`; with ``check``, an example whose float32 product is
-    not finite is formed in float64 instead."""
+    not finite is formed again with its factors rescaled (:func:`_rescaled_product`)."""
     wide = torch.float64
     _, k, r = at.shape
     c = b.shape[2]
@@ -196,7 +198,7 @@ def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
         torch.mm(left.t(), right, out=prod)
         flat, exact = prod.view(-1), False
         if check and not bool(torch.isfinite(prod).all()):
-            flat, exact = torch.mm(left.t().to(wide), right.to(wide)).view(-1), True
+            flat, exact, w = _rescaled_product(left, right, prod, w)
         # Cast and added slab by slab: a float32 product is cast exactly into a small float64
         # buffer that stays in cache (an in-place float64 += float32 add is ~4x slower, and
         # an R x C float64 copy is one more large buffer to fault in at every call).
@@ -213,6 +215,34 @@ def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
     if first:  # no example adds anything
         total.zero_()
     return total.view(r, c)
+
+
+def _rescaled_product(left, right, prod, w) -> tuple[torch.Tensor, bool, float]:
+    """The float32 product of one example whose unscaled product overflowed, with ``left``
+    scaled by an exact power of two ``2^-s`` so that no partial sum can: every partial sum of
+    an entry is at most ``S_inf = sum_k max|a_k| max|b_k|`` (times 1 + gamma_K), and s brings
+    that below 2^125. Returns ``(flat product, exact, weight)`` with the weight ``w 2^s``
+    (exact in float64), so that the caller adds ``w 2^s fl32(2^-s A^T B)``.
+
+    Why scaled rather than a float64 product: whether the unscaled product overflows is a
+    threshold on the example's computed factors, and their last bits can differ between two
+    evaluations of the same example (an upstream ``bmm`` rounded one example differently in a
+    graph of one and in a graph of two). Power-of-two scaling commutes with rounding, so on
+    either side of the threshold the example adds the same float32 product, up to products
+    that underflow once scaled (each at most 2^-150 in scaled units; with the clip factor at
+    most ``KAPPA C / S`` that is below 2^-100 C). A float64 product would differ from it by up
+    to ``gamma_K S`` times the clip factor, ~2^-10 C at K = 256 per such example. Where even
+    the scaled product is not finite (not reachable for finite factors), the float64 product."""
+    wide = torch.float64
+    s_inf = float((left.abs().amax(1).to(wide) * right.abs().amax(1).to(wide)).sum())
+    shift = max(1, math.ceil(math.log2(s_inf)) - 125) if math.isfinite(s_inf) and s_inf > 0 else 0
+    if shift:
+        left.mul_(math.ldexp(1.0, -shift))  # (in place: the same buffers, the same product call)
+        w = math.ldexp(w, shift)
+        torch.mm(left.t(), right, out=prod)
+        if bool(torch.isfinite(prod).all()):
+            return prod.view(-1), False, w
+    return torch.mm(left.t().to(wide), right.to(wide)).view(-1), True, w
 
 
 #: Entries per slab of :func:`per_example_mm`'s float64 additions (2 MiB of float64).
