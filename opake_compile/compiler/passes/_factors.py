@@ -24,9 +24,9 @@ one matrix product per term, never materialising a per-example ``R x C`` gradien
 ``opake::bookkeeping_mm`` (:mod:`._kernels`) per dense term, an ``embedding_dense_backward``
 per one-hot term. (On the CPU, dense terms over many positions are summed one example at a
 time by ``opake::per_example_mm``: float32 products inside an example, float64 across
-examples, :func:`per_example_sum_ok`.) Rows of excluded examples (padding, non-finite) are removed from *both*
-factors with a select before any product, so a NaN in an excluded example cannot reach the sum
-(0 * NaN = NaN).
+examples, :func:`per_example_sum_ok`.) Rows of excluded examples (padding, non-finite) are
+removed from *both* factors with a select before any product, so a NaN in an excluded example
+cannot reach the sum (0 * NaN = NaN).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from opake_compile.compiler.passes import _kernels
 from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
-    KAPPA,
     FLOAT64_TINY,
+    KAPPA,
     NORM_DTYPE,
     emit_sq_sum,
     emit_sum_sq_bound,
@@ -1066,10 +1066,11 @@ def emit_sq_norm_materialized(em: Emitter, factors: list[Factor], acc: torch.dty
 
 #: The fewest positions per example for which :func:`per_example_sum_ok` forms the
 #: book-keeping sum example by example (``opake::per_example_mm``). Measured on this 2-core
-#: CPU, one thread, float32 products against the float64 product over all rows: P = 64,
-#: K = 16, 256 x 256: 3.4 against 3.6 ms (even); K = 32: 4.4 against 5.8; K = 64, P = 32,
-#: 512 x 128: 3.8 against 7.4; K = 256, P = 8, 8192 x 768 (a tied LM head): 322 against 509.
-#: At K = 1 (an MLP) one call per example costs ~10x the product.
+#: CPU, one thread, per example against the float64 product over all rows: P = 64, K = 16,
+#: 256 x 256: 3.4 against 3.6 ms (even, before the slabs); K = 32: 4.4 against 5.1; K = 64,
+#: P = 32, 512 x 128: 3.7 against 6.6; K = 256, P = 8, 8192 x 768 (a tied LM head): 271
+#: against 509 (239 for the unsound float32 product). At K = 1 (an MLP) one call per example
+#: costs ~10x the product.
 PER_EXAMPLE_MIN_K = 32
 
 #: The smallest ``R C`` for which :func:`per_example_sum_ok` loops over examples (a few calls
