@@ -96,23 +96,110 @@ def test_mixed_path_near_cancellation(m):
 
 
 # ----------------------------------------------------------------------------- fault 2: underflow
-@pytest.mark.parametrize("c", [1e-4, 1e-5])
+@pytest.mark.parametrize("c", [1e-16, 1e-17])
 def test_ghost_norm_underflow(c):
     # Before: ||b||^2 underflowed to 0 in float32, the norm was 0 and the example unclipped:
     # 1.5 C at C = 1e-4, 15 C at C = 1e-5.
     g = _gen(2)
     lin = nn.Linear(16, 16, bias=False)
+    # (Measured with inputs of norm 1.5e19; now inputs of 1.5e15, below the magnitude ramp of
+    # numerics.magnitude_limit, and C 10^4 times smaller: unclipped, that example would add
+    # 1.5e4 C.)
     x = torch.randn(1, 16, generator=g)
     v = torch.randn(1, 16, generator=g)
-    x, v = x * 1.5e19 / x.norm(), v * 1e-23 / v.norm()
+    x, v = x * 1.5e15 / x.norm(), v * 1e-27 / v.norm()
     step = compile_dp(lambda mod, x, v: (mod(x) * v).sum(), model=lin, clipping_norm=c, physical_batch_size=1, backend="aot_eager")
     out = step(x, v).clipped
-    assert step.coverage == {"weight": "ghost:linear"}
+    assert step.coverage == {"weight": "ghost:linear"} and out.num_nonfinite == 0
     true_norm = float(x.double().norm() * v.double().norm())
     # ||b||^2 underflows in float32: the rank-one norm is bounded above by the n 2^-149 of its
     # lost squares, so the example is over-clipped (adversarial input), never under-clipped.
     assert float(out.per_example_norms[0]) >= true_norm
     assert float(out.grads["weight"].double().norm()) <= c
+
+
+# ----------------------------------------------------------------------------- a cut at overflow
+def _released_norm(step, *args) -> tuple[float, int]:
+    out = step(*args).clipped
+    return math.sqrt(sum(float(g.double().square().sum()) for g in out.grads.values())), out.num_nonfinite
+
+
+def _rank_one_step(dtype=torch.float32):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        lin = nn.Linear(16, 16, bias=False).to(dtype)
+    return compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager")
+
+
+@pytest.mark.parametrize("case", ["rank-one linear", "bias vector"])
+def test_one_ulp_at_float32_overflow_does_not_switch_an_example_on(case):
+    # Before: a float32 sum of squares (||a||^2 of a rank-one ghost norm, a bias gradient's)
+    # overflowed at 2^128 and the example was dropped (it added 0); one ulp below, it was
+    # clipped and added 0.999 C. Rounding that differs between two evaluations of the same
+    # example (another batch size, another bucket's graph) can move it across that cut when a
+    # neighbour is removed: 2 C. Now its weight has ramped to 0 long before (both add 0).
+    if case == "rank-one linear":
+        step = _rank_one_step()
+        x, v = torch.full((1, 16), 2.0**62), torch.full((1, 16), 2.0**-62)
+        at = [(x, v), (x * (1 - 2.0**-24), v)]
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(3)
+            lin = nn.Linear(4, 16)
+        step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager")
+        x, v = torch.zeros(1, 4), torch.full((1, 16), 2.0**62)
+        at = [(x, v), (x, v * (1 - 2.0**-24))]
+    (over, n_over), (under, n_under) = (_released_norm(step, *args) for args in at)
+    assert abs(over - under) <= 2.0**-20
+    assert n_over == n_under == 1  # both beyond the ramp, counted as dropped
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_magnitude_ramp_weights_examples_continuously(dtype):
+    # An example's clip factor is multiplied by clamp(2 - m / H, 0, 1), m its largest entry
+    # (float64: the product of its input's and output gradient's largest entries): full weight
+    # up to H, none from 2 H, linear between, and one ulp moves it by ~2^-23.
+    step = _rank_one_step(dtype)
+    h = numerics.magnitude_limit(dtype, 16) if dtype == torch.float32 else numerics.product_limit(1, 16, 16)
+    c_eff = numerics.effective_clipping_norm(1.0, dtype)
+    for t in [0.5, 1.0, 1.25, 1.5, 1.75, 1.999, 2.0, 3.0]:
+        # ||G|| = ||x|| ||v|| = 16 t (float32; float64: 16 t / 2^-400): clipped to C_eff, then weighted.
+        v_entry = 1.0 / h if dtype == torch.float32 else 2.0**400
+        x, v = torch.full((1, 16), t * h / (1.0 if dtype == torch.float32 else v_entry), dtype=dtype), torch.full((1, 16), v_entry, dtype=dtype)
+        got, dropped = _released_norm(step, x, v)
+        m = float(x[0, 0]) / h * (1.0 if dtype == torch.float32 else v_entry)
+        want = c_eff * min(1.0, max(0.0, 2.0 - m))
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-12), t  # (the bound is ~1e-6 above the norm)
+        assert dropped == (t >= 2.0)
+        nudged, _ = _released_norm(step, x * (1 - 2.0 ** -(24 if dtype == torch.float32 else 53)), v)
+        assert abs(nudged - got) <= 2.0**-20
+
+
+def test_magnitude_ramp_reads_the_factors_on_rewritten_paths_and_the_gradient_otherwise():
+    # The ghost path's entries are the layer's inputs and output gradients; forced
+    # materialised, the per-example gradient's (here 1 each: full weight).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        lin = nn.Linear(16, 16, bias=False)
+    h = numerics.magnitude_limit(torch.float32, 16)
+    x, v = torch.full((1, 16), 1.5 * h), torch.full((1, 16), 1.0 / h)
+    ghost = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager")
+    full = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager",
+                      rewrites=[GhostClipping(force={"weight": "materialized"})])
+    c_eff = numerics.effective_clipping_norm(1.0, torch.float32)
+    assert _released_norm(ghost, x, v)[0] == pytest.approx(0.5 * c_eff, rel=1e-5)
+    assert _released_norm(full, x, v)[0] == pytest.approx(c_eff, rel=1e-5)
+
+
+def test_magnitude_limit_is_a_power_of_two_that_leaves_float32_room():
+    for n in [1, 3, 16, 256 * 768, 2**36]:
+        h = numerics.magnitude_limit(torch.float32, n)
+        assert math.log2(h).is_integer()
+        assert n * (4 * h) ** 2 <= 2.0**127  # entries up to 2 H, doubled by centring
+        assert n * (4 * numerics.magnitude_limit(torch.float64, n)) ** 2 <= 2.0**1001
+    for k, r, c in [(1, 1, 1), (4, 768, 768), (512, 3072, 768)]:
+        # float64 factors: ||G|| <= k sqrt(r c) (2 H), squared at most 2^1000
+        assert (k * math.sqrt(r * c) * 2 * numerics.product_limit(k, r, c)) ** 2 <= 2.0**1000
 
 
 # ----------------------------------------------------------------------------- fault 3: bf16 sums
@@ -596,7 +683,9 @@ def test_a_small_entry_next_to_a_large_partner_stays_within_c(bookkeeping, opera
     with mock.patch("opake_compile.compiler.passes.rewrites.fast_gram_ok", lambda *a: False):
         step(torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))  # traced with float64 Grams
     x, v = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)
-    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**100, 1.025 * 2.0**-100, 1.0
+    # (It was 2^100; a float32 input beyond 2^58 here is now weighted down by the magnitude
+    # ramp, so the construction runs at 2^57, the tiny entry still 2^157 below it.)
+    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**57, 1.025 * 2.0**-100, 1.0
     out = step(x, v).clipped
     assert out.num_nonfinite == 0
     assert float(out.grads["weight"].double().norm()) / c <= 1.0

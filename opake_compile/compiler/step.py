@@ -508,11 +508,11 @@ class DPStep:
             self._warn_if_every_gradient_vanishes(result)
         if self._num_calls <= 3 and 0 < result.clipped.num_examples == result.clipped.num_nonfinite:
             warnings.warn(
-                f"Every example's gradient was non-finite at this call ({result.clipped.num_examples} examples, "
-                "all dropped and counted in clipped.num_nonfinite): the sum is zero, so the step would add "
-                "noise alone. A loss that is NaN for a batch of one (a standard deviation or a "
-                "normalisation over the batch: compile_dp evaluates each example as a batch of one), a "
-                "log of zero, or a diverged model does this.",
+                f"Every example's gradient was non-finite or beyond the magnitude its norm can be computed at "
+                f"at this call ({result.clipped.num_examples} examples, all dropped and counted in "
+                "clipped.num_nonfinite): the sum is zero, so the step would add noise alone. A loss that is "
+                "NaN for a batch of one (a standard deviation or a normalisation over the batch: compile_dp "
+                "evaluates each example as a batch of one), a log of zero, or a diverged model does this.",
                 UserWarning,
                 stacklevel=user_stacklevel(),
             )

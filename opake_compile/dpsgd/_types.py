@@ -251,7 +251,10 @@ class ClippedPytree(DPOutput):
         normalize_by: the divisor applied to ``grads`` or ``None`` (the optimizer wrapper
             refuses a normalised input).
         num_nonfinite: **not privatised.** How many examples had a non-finite gradient and so
-            contributed exactly zero (selected away, never multiplied by zero).
+            contributed exactly zero (selected away, never multiplied by zero). A compiled step
+            counts here, too, examples whose entries reached twice the magnitude their norm can
+            be computed at (``compiler.passes.numerics.magnitude_limit``; they are weighted down
+            from once it).
         aux: **not privatised.** Per-example auxiliary outputs (``has_aux=True``) or ``None``.
         num_ranks: how many processes' clipped sums ``grads`` adds up (1, or the world size after
             :func:`opake_compile.distributed.sum_gradients`); ``DPOptimizer`` refuses a local

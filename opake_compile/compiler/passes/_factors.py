@@ -47,9 +47,11 @@ from opake_compile.compiler.passes.numerics import (
     FLOAT64_TINY,
     KAPPA,
     NORM_DTYPE,
+    emit_magnitude,
     emit_sq_sum,
     emit_sum_sq_bound,
     gamma,
+    product_limit,
     unit_roundoff,
 )
 
@@ -71,6 +73,7 @@ __all__ = [
     "emit_per_example_bound",
     "merge_groups",
     "merge_parts",
+    "emit_factor_magnitude",
     "value_key",
     "view_root",
 ]
@@ -1249,6 +1252,37 @@ def merge_parts(em: Emitter, sqs: list[fx.Node], masses: list[fx.Node]) -> tuple
         s = em(aten.add.Tensor, s, em(aten.sqrt.default, m))
     s = em(aten.mul.Tensor, s, up)
     return em(aten.mul.Tensor, sq, up), em(aten.mul.Tensor, s, s)
+
+
+def emit_factor_magnitude(em: Emitter, factors: list[Factor], p: int, cache: dict | None = None) -> fx.Node:
+    """What the magnitude ramp reads for a rewritten parameter (:func:`~.numerics.emit_range_weight`):
+    ``(P,)`` float64, 1 where its weight starts to fall, 2 where it reaches 0.
+
+    Float32 and lower: example i's largest entry of each dense factor over that factor's
+    :func:`~.numerics.magnitude_limit` (one-hot ids are not entries), the largest of these.
+    Float64 factors are scaled by powers of two before their norms are formed, so only the
+    product ``max |a| max |b|`` matters (:func:`~.numerics.product_limit`).
+    ``cache``: the graph's Gram cache, so that layers reading one input take its maximum once."""
+    cache = {} if cache is None else cache
+    if any(val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE) for f in factors):
+        r = factors[0].rows * factors[0].groups
+        limit = product_limit(sum(f.k for f in factors), r, factors[0].cols)
+        sides = []
+        for nodes in ([f.a for f in factors if not f.onehot], [f.b for f in factors]):
+            m = None
+            for node in dict.fromkeys(nodes):
+                x = emit_magnitude(em, node, p, 1.0)
+                m = x if m is None else em(aten.maximum.default, m, x)
+            sides.append(m)
+        a_side, b_side = sides
+        out = b_side if a_side is None else em(aten.mul.Tensor, a_side, b_side)
+        return em(aten.mul.Tensor, out, 1.0 / limit)
+    nodes = [f.b for f in factors] + [f.a for f in factors if not f.onehot]
+    out = None
+    for node in dict.fromkeys(nodes):
+        m = _memo(cache, ("magnitude", node, p), lambda node=node: emit_magnitude(em, node, p))
+        out = m if out is None else em(aten.maximum.default, out, m)
+    return out
 
 
 def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: torch.dtype) -> fx.Node:

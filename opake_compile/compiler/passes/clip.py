@@ -14,10 +14,12 @@ is float64; never lower than float32)::
 
     sq_p     = sum over entries of G_p[i]^2   (float64)          (tagged "sq_norm", p)
     mass_p   = sq_p                           (float64)          (tagged "sum_mass", p)
+    mag_p    = max over entries of |G_p[i]| / H   (float64)       (tagged "magnitude", p)
     norms    = sqrt(sum_p sq_p)
-    kept     = isfinite(norms) & mask
+    w        = clamp(2 - max_p mag_p, 0, 1)   (NaN: 0)
+    kept     = isfinite(norms) & (w > 0) & mask
     denom    = max(norms, sqrt(sum_p mass_p) / KAPPA)
-    factor   = where(kept, min(1, C_eff / denom), 0) rounded down to acc  (tagged "clip_factor")
+    factor   = where(kept, min(1, C_eff / denom) w, 0) rounded down to acc  (tagged "clip_factor")
     S_p      = sum_i factor[i] * where(kept[i], G_p[i], 0)     (acc)   (tagged "clipped_sum", p)
 
 ``C_eff = C / (1 + rho)``, rho a slack for the rounding of the sum that depends only on the
@@ -25,8 +27,13 @@ sum dtype. See :mod:`.numerics` for the error analysis that makes one example mo
 sum by at most C.
 
 Non-finite examples are removed with a select, never by multiplying with zero (0 * NaN = NaN).
-Rewrite passes replace ``sq_p``, ``mass_p`` and ``S_p`` for the parameters they match; ``G_p``
-then becomes dead and is never materialised.
+``w`` takes an example whose entries reach ``H`` (:func:`.numerics.magnitude_limit`, from the
+dtype and the entries per example: 2^50 for a GPT-2 layer's inputs at T = 256 in float32;
+float64 factors bound a product, :func:`.numerics.product_limit`) down to nothing at ``2 H``, before its norm could overflow
+(:func:`.numerics.emit_range_weight`): a continuous weight, not a cut that rounding could flip.
+
+Rewrite passes replace ``sq_p``, ``mass_p``, ``mag_p`` (their factors' entries) and ``S_p`` for
+the parameters they match; ``G_p`` then becomes dead and is never materialised.
 """
 
 from __future__ import annotations
@@ -90,23 +97,27 @@ def insert_clipping(gm: fx.GraphModule, *, param_names: tuple[str, ...], clip_in
     em = Emitter(graph, before=out_node)
     acc = accumulation_dtype([val(g).dtype for g in grads])
     nd = numerics.NORM_DTYPE
-    total = mass = None
+    total = mass = magnitude = None
     for name, g in zip(param_names, grads):
         p = shape(g)
         sq = set_role(numerics.emit_sq_sum(em, em(aten.reshape.default, g, [p[0], -1])), "sq_norm", name)
         sq.meta["opake_gradient"] = g  # what the rewrite passes decompose
         # What enters this parameter's sum from example i is f_i g_i itself: its mass is its norm.
         m = set_role(em(aten.mul.Tensor, sq, 1.0), "sum_mass", name)
+        # The entries the norm is computed from; a rewrite replaces it by its factors'.
+        big = set_role(numerics.emit_magnitude(em, g, p[0]), "magnitude", name)
         total = sq if total is None else em(aten.add.Tensor, total, sq)
         mass = m if mass is None else em(aten.add.Tensor, mass, m)
+        magnitude = big if magnitude is None else em(aten.maximum.default, magnitude, big)
     norms = em(aten.sqrt.default, total)
-    finite = em(aten.isfinite.default, norms)
+    weight = numerics.emit_range_weight(em, magnitude)
+    finite = em(aten.logical_and.default, em(aten.isfinite.default, norms), em(aten.gt.Scalar, weight, 0.0))
     kept = set_role(em(aten.logical_and.default, finite, mask_node), "kept", "")
     c_nd = em(aten._to_copy.default, c_node, dtype=nd)
     # (Tagged: the book-keeping sums measure the clip factor's underflow against it.)
     c_eff = set_role(em(aten.mul.Tensor, c_nd, numerics.clip_scale(acc)), "clip_norm_eff", "")
     denom = em(aten.maximum.default, norms, em(aten.mul.Tensor, em(aten.sqrt.default, mass), 1.0 / numerics.KAPPA))
-    ratio = em(aten.clamp_max.default, em(aten.div.Tensor, c_eff, denom), 1.0)
+    ratio = em(aten.mul.Tensor, em(aten.clamp_max.default, em(aten.div.Tensor, c_eff, denom), 1.0), weight)
     zero = em(aten.scalar_tensor.default, 0.0, dtype=nd)
     factor_nd = em(aten.where.self, kept, ratio, zero)
     factor = set_role(numerics.emit_round_down(em, factor_nd, acc), "clip_factor", "")

@@ -4,9 +4,22 @@
 embedding, fused or per-layer book-keeping), every parameter dtype (float64, float32, bfloat16,
 float16) and every input whose gradients are finite, adding or removing one example moves the
 released clipped sum by at most C in L2 norm, with C the ``clipping_norm`` (C >= 2^-100).
-Gradients that are not finite are selected away (they contribute exactly zero and are counted),
-and so is a finite float32-or-lower gradient whose norm is beyond about 1.8e19: its float32 sum
-of squares or Gram entries overflow to inf (a utility loss on a diverged step, not a bound lost).
+Gradients that are not finite are selected away (they contribute exactly zero and are counted).
+So, gradually, are examples too large for their norm to be computed: the clip factor is
+multiplied by ``clamp(2 - m_i / H, 0, 1)``, ``m_i`` the largest entry of any factor or
+materialised gradient the example's norm is read from and ``H`` a power of two set by dtype and
+shape (:func:`magnitude_limit`: 2^50 for a GPT-2 layer's inputs at T = 256; float64 factors,
+scaled by powers of two, bound the product of their two sides' largest entries instead,
+:func:`product_limit`: 2^487 for a 768 x 768 layer at T = 4),
+so that no float32 sum of squares, Gram entry or product overflows while the weight is above 0
+(:func:`emit_range_weight`). A cut instead (the example dropped where its float32 sum of squares
+overflowed, about 1.8e19) flipped with the last ulp of the input, from adding 0 to adding
+0.999 C, and the last bits of an example's values can differ between evaluations of it (another
+batch size, another bucket's graph), so removing a neighbour could flip it: 2 C. The eager
+reference, whose float64 norms of materialised gradients cannot overflow, keeps its plain
+finiteness test. What stays is the model's own arithmetic: a forward or backward that
+overflows to inf or NaN inside the model (a normalisation's variance, say) for an example at
+that edge is the same kind of cut, and no transform of the gradient can see it.
 
 **How.** Write ``G_i`` for example i's per-example gradient as exact arithmetic would form it
 from the factors the graph actually computed (the layer inputs ``a`` and output gradients ``b``
@@ -200,6 +213,11 @@ __all__ = [
     "emit_sq_sum",
     "emit_sum_sq_bound",
     "emit_round_down",
+    "magnitude_limit",
+    "product_limit",
+    "MAX_EXAMPLE_NUMEL",
+    "emit_magnitude",
+    "emit_range_weight",
 ]
 
 #: Squared norms, masses and clip factors are computed in float64.
@@ -222,6 +240,10 @@ HALF_SUBNORMAL_LOG2 = {torch.float32: -150, torch.float64: -1075}
 #: catches examples where it could add more). Far below the slack ``rho`` (2^-10 and 2^-40),
 #: of which it is a part.
 UNDERFLOW_SHARE = {torch.float32: 2.0**-30, torch.float64: 2.0**-60}
+
+#: The most entries one example may have in one factor or materialised gradient (the longest
+#: reduction the norms run, :func:`magnitude_limit`'s premise; 2^36 float32 numbers are 256 GiB).
+MAX_EXAMPLE_NUMEL = 2**36
 
 
 def float32_matmul_is_ieee() -> bool:
@@ -423,3 +445,74 @@ def emit_round_down(em: Emitter, x: fx.Node, dtype: torch.dtype) -> fx.Node:
     up = em(aten.gt.Tensor, em(aten._to_copy.default, y, dtype=val(x).dtype), x)
     zero = em(aten.scalar_tensor.default, 0.0, dtype=dtype)
     return em(aten.where.self, up, em(aten.nextafter.default, y, zero), y)
+
+
+def magnitude_limit(dtype: torch.dtype, n: int) -> float:
+    """``H`` for a node of ``dtype`` with ``n`` entries per example: an example with an entry
+    beyond ``H`` is weighted down linearly, to nothing at ``2 H`` (:func:`emit_range_weight`),
+    before any of the norm's own computations can overflow. A power of two, from shapes only.
+
+    Float32 and lower: every float32 reduction the norms run over one node (sums of squares,
+    Gram entries, position norms, a mixed path's products over K) is at most ``n (2 x)^2``
+    for entries ``|x| <= 2 H`` (2 x: centring), and ``16 n H^2 <= 2^123`` leaves a factor 16
+    below float32's 2^128: ``H = 2^floor((119 - ceil(log2 n)) / 2)``, 2^58 for a vector of 8,
+    2^50 for a GPT-2 layer's inputs at T = 256, 2^41 at ``n = 2^36``
+    (:data:`MAX_EXAMPLE_NUMEL`). A product of two factors over K terms is bounded by the
+    geometric mean of theirs (each has at least K entries). Float64 (a materialised gradient's
+    float64 sum of squares): ``16 n H^2 <= 2^1001``. Float64 factors: :func:`product_limit`."""
+    top = 1001 if dtype == torch.float64 else 123
+    return 2.0 ** ((top - 4 - max(0, math.ceil(math.log2(max(n, 1))))) // 2)
+
+
+def product_limit(k: int, r: int, c: int) -> float:
+    """``H`` for the product ``max |a| max |b|`` of float64 factors (``k`` positions in all
+    terms, an ``(r, c)`` gradient): they are scaled per example by powers of two, so only the
+    unscaled squared norm can overflow, and ``||G|| <= k sqrt(r c) max|a| max|b|`` keeps it at
+    most 2^1000 while the product is at most ``2 H``, ``H = 2^(499 - ceil(log2(k sqrt(r c))))``
+    (2^487 for a 768 x 768 layer at T = 4; inputs of 1e292 against output gradients of 1e-150
+    keep full weight)."""
+    return 2.0 ** (499 - max(0, math.ceil(math.log2(max(k * math.sqrt(r * c), 1.0)))))
+
+
+def emit_magnitude(em: Emitter, node: fx.Node, p: int, limit: float | None = None) -> fx.Node:
+    """Example i's largest absolute entry of ``node`` (shape ``(P * g, ...)``, ``g`` blocks per
+    example, example-major) over ``limit`` (default: its :func:`magnitude_limit`): ``(P,)``
+    float64.
+
+    Exact (a maximum does not round; dividing by a power of two neither), so the weight of
+    :func:`emit_range_weight` depends on the example's entries alone. NaN where an entry is.
+
+    Raises:
+        ConfigurationError: an example's share of ``node`` has more than
+            :data:`MAX_EXAMPLE_NUMEL` entries.
+    """
+    dims = list(val(node).shape)
+    per_example = math.prod(dims[1:]) * (dims[0] // p)
+    if per_example > MAX_EXAMPLE_NUMEL:
+        raise ConfigurationError(
+            f"one example's share of a per-example gradient or factor ({dims}) has {per_example} entries, "
+            f"more than the 2^36 the overflow analysis of the norms covers (numerics.MAX_EXAMPLE_NUMEL)."
+        )
+    m = em(aten.amax.default, em(aten.abs.default, node), list(range(1, len(dims)))) if len(dims) > 1 else em(aten.abs.default, node)
+    if dims[0] != p:
+        m = em(aten.amax.default, em(aten.view.default, m, [p, dims[0] // p]), [1])
+    limit = magnitude_limit(val(node).dtype, per_example) if limit is None else limit
+    return em(aten.mul.Tensor, em(aten._to_copy.default, m, dtype=NORM_DTYPE), 1.0 / limit)
+
+
+def emit_range_weight(em: Emitter, magnitude: fx.Node) -> fx.Node:
+    """``w_i = clamp(2 - m_i, 0, 1)`` for ``m_i`` the largest of an example's
+    :func:`emit_magnitude` values: 1 up to ``H``, 0 from ``2 H`` on and for NaN (``(P,)``
+    float64). The clip factor is multiplied by it.
+
+    Why a ramp and not a cut: an example whose squared norm overflows must not count, and a cut
+    at any threshold on computed values flips when their last bits differ between two
+    evaluations of the same example (another batch size, another bucket's graph), so removing
+    one example could switch another between adding 0 and adding C: 2 C. Measured before: one
+    ulp of the input took a rank-one linear's example from 0 to 0.999 C at float32 overflow
+    of ``||a||^2``. The ramp changes by at most ``2^-22`` under such a change, and reaches 0
+    before any norm computation can overflow (:func:`magnitude_limit`): a non-finite example
+    has weight 0 on both sides of its threshold."""
+    w = em(aten.clamp.default, em(aten.rsub.Scalar, magnitude, 2.0), 0.0, 1.0)
+    zero = em(aten.scalar_tensor.default, 0.0, dtype=NORM_DTYPE)
+    return em(aten.where.self, em(aten.isnan.default, w), zero, w)

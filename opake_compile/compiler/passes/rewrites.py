@@ -39,6 +39,7 @@ from opake_compile.compiler.passes._factors import (
     Factor,
     fast_gram_ok,
     emit_clipped_sum,
+    emit_factor_magnitude,
     emit_per_example_bound,
     emit_sq_norm,
     emit_sq_norm_materialized,
@@ -406,6 +407,7 @@ def _ghost_clipping(
     graph = gm.graph
     sq_nodes = nodes_with_role(graph, "sq_norm")
     mass_nodes = nodes_with_role(graph, "sum_mass")
+    magnitude_nodes = nodes_with_role(graph, "magnitude")
     sum_nodes = nodes_with_role(graph, "clipped_sum")
     unknown = sorted(set(force) - set(sq_nodes))
     if unknown:
@@ -449,7 +451,7 @@ def _ghost_clipping(
         done = False
         try:
             label, why, used, method = _rewrite_parameter(
-                em, em_out, name, sq, mass_nodes[name], sum_nodes[name], wanted, enabled,
+                em, em_out, name, sq, mass_nodes[name], magnitude_nodes[name], sum_nodes[name], wanted, enabled,
                 bookkeeping, grams, kept, factor, clip, sum_acc, kept_prefix, forward,
             )
             done = used is not None
@@ -484,6 +486,7 @@ def _rewrite_parameter(
     name: str,
     sq: fx.Node,
     mass: fx.Node,
+    magnitude: fx.Node,
     old_sum: fx.Node,
     wanted: str,
     enabled: frozenset[str],
@@ -551,6 +554,7 @@ def _rewrite_parameter(
             masses.append(b_mass)
             sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
         new_sq, new_mass = merge_parts(em, sqs, masses)
+        new_magnitude = emit_factor_magnitude(em, factors, p, grams)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
     except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
@@ -568,6 +572,7 @@ def _rewrite_parameter(
     summed.meta["opake_role"] = ("clipped_sum", name)
     sq.replace_all_uses_with(new_sq)
     mass.replace_all_uses_with(new_mass)
+    magnitude.replace_all_uses_with(new_magnitude)
     old_sum.replace_all_uses_with(summed)
     for f in factors:
         for node in f.cleanup:
