@@ -131,6 +131,37 @@ def _rank_one_step(dtype=torch.float32):
     return compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=1, backend="aot_eager")
 
 
+def _edge_case(case: str):
+    """A step, a function from a float32 scale to its batch, and two adjacent float32 scales at
+    which the cut at overflow switched example 0 (a review's bisection): the mixed path's
+    float32 per-example product, squared and summed in float32 (0.99902 C against 0), and a
+    centred float32-Gram term whose mean over K = 1024 positions overflowed (0.99711 C
+    against 0) while every entry was below its own node's limit."""
+    g = torch.Generator().manual_seed(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4, bias=False) if case == "mixed product" else nn.Linear(32, 32, bias=False)
+    path = "mixed" if case == "mixed product" else "ghost"
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=lin, clipping_norm=1.0, physical_batch_size=2,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"weight": path})])
+    if case == "mixed product":
+        xb, vb = torch.rand(1, 8, 4, generator=g) + 0.5, torch.rand(1, 8, 4, generator=g) + 0.5
+        xo, vo = torch.randn(1, 8, 4, generator=g), torch.randn(1, 8, 4, generator=g)
+        make = lambda s: (torch.cat([xb * s, xo]), torch.cat([vb * 2.0**30, vo]))  # noqa: E731
+        return step, make, (506260512.0, 506260544.0)
+    xb, xo, vo = (torch.randn(1, 1024, 32, generator=g) for _ in range(3))
+    make = lambda s: (torch.cat([xb, xo]), torch.cat([torch.full((1, 1024, 32), s), vo]))  # noqa: E731
+    return step, make, (3184525781762048.0, 3184526050197504.0)
+
+
+@pytest.mark.parametrize("case", ["mixed product", "centred ghost"])
+def test_one_ulp_at_a_product_or_mean_overflow_does_not_switch_an_example_on(case):
+    step, make, (below, above) = _edge_case(case)
+    alone = step(*(t[1:] for t in make(below))).clipped.grads["weight"].double()
+    moved = [float((step(*make(s)).clipped.grads["weight"].double() - alone).norm()) for s in (below, above)]
+    assert abs(moved[0] - moved[1]) <= 2.0**-20, moved
+
+
 @pytest.mark.parametrize("case", ["rank-one linear", "bias vector"])
 def test_one_ulp_at_float32_overflow_does_not_switch_an_example_on(case):
     # Before: a float32 sum of squares (||a||^2 of a rank-one ghost norm, a bias gradient's)
@@ -160,7 +191,7 @@ def test_magnitude_ramp_weights_examples_continuously(dtype):
     # (float64: the product of its input's and output gradient's largest entries): full weight
     # up to H, none from 2 H, linear between, and one ulp moves it by ~2^-23.
     step = _rank_one_step(dtype)
-    h = numerics.magnitude_limit(dtype, 16) if dtype == torch.float32 else numerics.product_limit(1, 16, 16)
+    h = numerics.magnitude_limit(dtype, 16) if dtype == torch.float32 else numerics.product_limit(dtype, 1, 16, 16)
     c_eff = numerics.effective_clipping_norm(1.0, dtype)
     for t in [0.5, 1.0, 1.25, 1.5, 1.75, 1.999, 2.0, 3.0]:
         # ||G|| = ||x|| ||v|| = 16 t (float32; float64: 16 t / 2^-400): clipped to C_eff, then weighted.
@@ -198,8 +229,9 @@ def test_magnitude_limit_is_a_power_of_two_that_leaves_float32_room():
         assert n * (4 * h) ** 2 <= 2.0**127  # entries up to 2 H, doubled by centring
         assert n * (4 * numerics.magnitude_limit(torch.float64, n)) ** 2 <= 2.0**1001
     for k, r, c in [(1, 1, 1), (4, 768, 768), (512, 3072, 768)]:
-        # float64 factors: ||G|| <= k sqrt(r c) (2 H), squared at most 2^1000
-        assert (k * math.sqrt(r * c) * 2 * numerics.product_limit(k, r, c)) ** 2 <= 2.0**1000
+        # ||G|| <= k sqrt(r c) (2 H), squared at most 2^123 (float32) or 2^1000 (float64)
+        for dtype, top in [(torch.float32, 123), (torch.float64, 1000)]:
+            assert (k * math.sqrt(r * c) * 2 * numerics.product_limit(dtype, k, r, c)) ** 2 <= 2.0**top
 
 
 # ----------------------------------------------------------------------------- fault 3: bf16 sums
@@ -683,9 +715,10 @@ def test_a_small_entry_next_to_a_large_partner_stays_within_c(bookkeeping, opera
     with mock.patch("opake_compile.compiler.passes.rewrites.fast_gram_ok", lambda *a: False):
         step(torch.zeros(2, 2, 4), torch.zeros(2, 2, 4))  # traced with float64 Grams
     x, v = torch.zeros(1, 2, 4), torch.zeros(1, 2, 4)
-    # (It was 2^100; a float32 input beyond 2^58 here is now weighted down by the magnitude
-    # ramp, so the construction runs at 2^57, the tiny entry still 2^157 below it.)
-    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**57, 1.025 * 2.0**-100, 1.0
+    # (It was 2^100; a float32 input beyond 2^56 against a unit output gradient here is now
+    # weighted down by the magnitude ramp, so the construction runs at 2^55, the tiny entry
+    # still 2^155 below it.)
+    x[0, 0, 0], x[0, 1, 0], v[0, 1, 0] = 2.0**55, 1.025 * 2.0**-100, 1.0
     out = step(x, v).clipped
     assert out.num_nonfinite == 0
     assert float(out.grads["weight"].double().norm()) / c <= 1.0

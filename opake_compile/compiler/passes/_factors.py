@@ -51,6 +51,7 @@ from opake_compile.compiler.passes.numerics import (
     emit_sq_sum,
     emit_sum_sq_bound,
     gamma,
+    magnitude_limit,
     product_limit,
     unit_roundoff,
 )
@@ -1258,30 +1259,35 @@ def emit_factor_magnitude(em: Emitter, factors: list[Factor], p: int, cache: dic
     """What the magnitude ramp reads for a rewritten parameter (:func:`~.numerics.emit_range_weight`):
     ``(P,)`` float64, 1 where its weight starts to fall, 2 where it reaches 0.
 
-    Float32 and lower: example i's largest entry of each dense factor over that factor's
-    :func:`~.numerics.magnitude_limit` (one-hot ids are not entries), the largest of these.
-    Float64 factors are scaled by powers of two before their norms are formed, so only the
-    product ``max |a| max |b|`` matters (:func:`~.numerics.product_limit`).
+    The largest of: the product of example i's largest input-side and output-side entries over
+    :func:`~.numerics.product_limit` (one-hot ids are not entries), and, for float32 and lower
+    factors, each dense factor's largest entry over its :func:`~.numerics.magnitude_limit`
+    (entries per example times positions). Float64 factors are scaled by powers of two before
+    their norms are formed, so only the product matters there.
     ``cache``: the graph's Gram cache, so that layers reading one input take its maximum once."""
     cache = {} if cache is None else cache
-    if any(val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE) for f in factors):
-        r = factors[0].rows * factors[0].groups
-        limit = product_limit(sum(f.k for f in factors), r, factors[0].cols)
-        sides = []
-        for nodes in ([f.a for f in factors if not f.onehot], [f.b for f in factors]):
-            m = None
-            for node in dict.fromkeys(nodes):
-                x = emit_magnitude(em, node, p, 1.0)
-                m = x if m is None else em(aten.maximum.default, m, x)
-            sides.append(m)
-        a_side, b_side = sides
-        out = b_side if a_side is None else em(aten.mul.Tensor, a_side, b_side)
-        return em(aten.mul.Tensor, out, 1.0 / limit)
-    nodes = [f.b for f in factors] + [f.a for f in factors if not f.onehot]
-    out = None
-    for node in dict.fromkeys(nodes):
-        m = _memo(cache, ("magnitude", node, p), lambda node=node: emit_magnitude(em, node, p))
-        out = m if out is None else em(aten.maximum.default, out, m)
+    wide = any(val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE) for f in factors)
+
+    def raw(node: fx.Node) -> fx.Node:
+        return _memo(cache, ("magnitude", node, p), lambda: emit_magnitude(em, node, p, 1.0))
+
+    def largest(nodes: list[fx.Node]) -> fx.Node | None:
+        out = None
+        for node in dict.fromkeys(nodes):
+            out = raw(node) if out is None else em(aten.maximum.default, out, raw(node))
+        return out
+
+    a_side = largest([f.a for f in factors if not f.onehot])
+    b_side = largest([f.b for f in factors])
+    both = b_side if a_side is None else em(aten.mul.Tensor, a_side, b_side)
+    limit = product_limit(NORM_DTYPE if wide else torch.float32, sum(f.k for f in factors),
+                          factors[0].rows * factors[0].groups, factors[0].cols)
+    out = em(aten.mul.Tensor, both, 1.0 / limit)
+    if not wide:
+        for f in factors:
+            for node in [f.b] + ([] if f.onehot else [f.a]):
+                n = math.prod(val(node).shape) // p * f.k
+                out = em(aten.maximum.default, out, em(aten.mul.Tensor, raw(node), 1.0 / magnitude_limit(torch.float32, n)))
     return out
 
 

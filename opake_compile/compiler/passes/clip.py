@@ -28,8 +28,8 @@ sum by at most C.
 
 Non-finite examples are removed with a select, never by multiplying with zero (0 * NaN = NaN).
 ``w`` takes an example whose entries reach ``H`` (:func:`.numerics.magnitude_limit`, from the
-dtype and the entries per example: 2^50 for a GPT-2 layer's inputs at T = 256 in float32;
-float64 factors bound a product, :func:`.numerics.product_limit`) down to nothing at ``2 H``, before its norm could overflow
+dtype and the entries per example: 2^46 for a GPT-2 layer's inputs at T = 256 in float32;
+the product of input and output-gradient entries too, :func:`.numerics.product_limit`) down to nothing at ``2 H``, before its norm could overflow
 (:func:`.numerics.emit_range_weight`): a continuous weight, not a cut that rounding could flip.
 
 Rewrite passes replace ``sq_p``, ``mass_p``, ``mag_p`` (their factors' entries) and ``S_p`` for

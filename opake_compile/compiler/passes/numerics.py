@@ -8,9 +8,10 @@ Gradients that are not finite are selected away (they contribute exactly zero an
 So, gradually, are examples too large for their norm to be computed: the clip factor is
 multiplied by ``clamp(2 - m_i / H, 0, 1)``, ``m_i`` the largest entry of any factor or
 materialised gradient the example's norm is read from and ``H`` a power of two set by dtype and
-shape (:func:`magnitude_limit`: 2^50 for a GPT-2 layer's inputs at T = 256; float64 factors,
-scaled by powers of two, bound the product of their two sides' largest entries instead,
-:func:`product_limit`: 2^487 for a 768 x 768 layer at T = 4),
+shape (:func:`magnitude_limit`: 2^46 for a GPT-2 layer's inputs at T = 256), and the product of the
+example's largest input and output-gradient entries of a layer too (:func:`product_limit`: 2^40
+for GPT-2's first MLP layer at T = 256; float64 factors, scaled by powers of two, bound only
+that product: 2^487 for a 768 x 768 layer at T = 4),
 so that no float32 sum of squares, Gram entry or product overflows while the weight is above 0
 (:func:`emit_range_weight`). A cut instead (the example dropped where its float32 sum of squares
 overflowed, about 1.8e19) flipped with the last ulp of the input, from adding 0 to adding
@@ -448,30 +449,36 @@ def emit_round_down(em: Emitter, x: fx.Node, dtype: torch.dtype) -> fx.Node:
 
 
 def magnitude_limit(dtype: torch.dtype, n: int) -> float:
-    """``H`` for a node of ``dtype`` with ``n`` entries per example: an example with an entry
-    beyond ``H`` is weighted down linearly, to nothing at ``2 H`` (:func:`emit_range_weight`),
-    before any of the norm's own computations can overflow. A power of two, from shapes only.
+    """``H`` for one node of ``dtype`` whose norm computations reduce at most ``n`` terms per
+    example: an example with an entry beyond ``H`` is weighted down linearly, to nothing at
+    ``2 H`` (:func:`emit_range_weight`), before any of them can overflow. A power of two, from
+    shapes only.
 
-    Float32 and lower: every float32 reduction the norms run over one node (sums of squares,
-    Gram entries, position norms, a mixed path's products over K) is at most ``n (2 x)^2``
-    for entries ``|x| <= 2 H`` (2 x: centring), and ``16 n H^2 <= 2^123`` leaves a factor 16
-    below float32's 2^128: ``H = 2^floor((119 - ceil(log2 n)) / 2)``, 2^58 for a vector of 8,
-    2^50 for a GPT-2 layer's inputs at T = 256, 2^41 at ``n = 2^36``
-    (:data:`MAX_EXAMPLE_NUMEL`). A product of two factors over K terms is bounded by the
-    geometric mean of theirs (each has at least K entries). Float64 (a materialised gradient's
-    float64 sum of squares): ``16 n H^2 <= 2^1001``. Float64 factors: :func:`product_limit`."""
+    Float32 and lower: a float32 reduction over one node (sums of squares, Gram entries,
+    position norms) is at most ``n (2 x)^2`` for entries ``|x| <= 2 H`` (2 x: centring), and
+    ``16 n H^2 <= 2^123`` leaves a factor 32 below float32's 2^128:
+    ``H = 2^floor((119 - ceil(log2 n)) / 2)``. A factor's ``n`` is its entries per example
+    times its positions K (a centred term's mean is a sum over the K positions, squared and
+    summed over the entries: a review found the cut still there at K = 1024 without it):
+    2^46 for a GPT-2 layer's inputs at T = 256. Products of two factors are bounded by
+    :func:`product_limit`. Float64 (a materialised gradient's float64 sum of squares):
+    ``16 n H^2 <= 2^1001``."""
     top = 1001 if dtype == torch.float64 else 123
     return 2.0 ** ((top - 4 - max(0, math.ceil(math.log2(max(n, 1))))) // 2)
 
 
-def product_limit(k: int, r: int, c: int) -> float:
-    """``H`` for the product ``max |a| max |b|`` of float64 factors (``k`` positions in all
-    terms, an ``(r, c)`` gradient): they are scaled per example by powers of two, so only the
-    unscaled squared norm can overflow, and ``||G|| <= k sqrt(r c) max|a| max|b|`` keeps it at
-    most 2^1000 while the product is at most ``2 H``, ``H = 2^(499 - ceil(log2(k sqrt(r c))))``
-    (2^487 for a 768 x 768 layer at T = 4; inputs of 1e292 against output gradients of 1e-150
-    keep full weight)."""
-    return 2.0 ** (499 - max(0, math.ceil(math.log2(max(k * math.sqrt(r * c), 1.0)))))
+def product_limit(dtype: torch.dtype, k: int, r: int, c: int) -> float:
+    """``H`` for the product ``max |a| max |b|`` of a parameter's factors (``k`` positions in
+    all terms, an ``(r, c)`` gradient): ``||G|| <= k sqrt(r c) max|a| max|b|``, so while the
+    product is at most ``2 H``, ``H = 2^(t - ceil(log2(k sqrt(r c))))``, ``||G||^2`` stays
+    at most 2^123 in float32 (``t = 59``: a mixed path's per-example product, whose short rows
+    are squared and summed in float32; a review's counterexample at full weight before: 0.999 C
+    against 0 one ulp apart; 2^40 for a GPT-2 MLP input layer at T = 256) and 2^1000 in
+    float64 (``t = 499``: float64 factors are scaled by powers of two, only the unscaled
+    squared norm can overflow; 2^487 for a 768 x 768 layer at T = 4, so inputs of 1e292
+    against output gradients of 1e-150 keep full weight)."""
+    t = 499 if dtype == torch.float64 else 59
+    return 2.0 ** (t - max(0, math.ceil(math.log2(max(k * math.sqrt(r * c), 1.0)))))
 
 
 def emit_magnitude(em: Emitter, node: fx.Node, p: int, limit: float | None = None) -> fx.Node:
