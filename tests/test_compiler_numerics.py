@@ -189,6 +189,39 @@ def test_one_ulp_at_a_product_or_mean_overflow_does_not_switch_an_example_on(cas
     assert abs(moved[0] - moved[1]) <= 2.0**-20, moved
 
 
+@pytest.mark.parametrize("case", ["materialised", "through a second layer"])
+def test_one_ulp_at_float16_overflow_does_not_switch_an_example_on(case):
+    # A review: float16 models' own arithmetic overflows at 65504, far below the float32-derived
+    # limits. A per-example gradient entry of 8 x 8188 added 0.999 C, 8 x 8192 was inf and
+    # dropped; an output gradient flowing back through Linear(16, 16) of ones, 16 x 4094
+    # against 16 x 4096, the same. The float16 limit (2^14) ramps them to 0 first.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if case == "materialised":
+            model = nn.Linear(16, 16, bias=False).half()
+        else:
+            model = nn.Sequential(nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)).half()
+            nn.init.ones_(model[1].weight)
+            model[1].weight.requires_grad_(False)
+    rewrites = [] if case == "materialised" else [GhostClipping(force={"0.weight": "ghost"})]
+    step = compile_dp(lambda m, x, v: (m(x) * v).sum(), model=model, clipping_norm=1.0, physical_batch_size=2,
+                      backend="aot_eager", rewrites=rewrites)
+    g = _gen(4)
+    xo, vo = torch.randn(1, 8, 16, generator=g).half(), torch.randn(1, 8, 16, generator=g).half()
+    if case == "materialised":
+        make = lambda s: (torch.cat([torch.full((1, 8, 16), s).half(), xo]), torch.cat([torch.ones(1, 8, 16).half(), vo]))  # noqa: E731
+        scales = (8188.0, 8192.0)
+    else:
+        make = lambda s: (torch.cat([torch.full((1, 8, 16), 0.01).half(), xo]), torch.cat([torch.full((1, 8, 16), s).half(), vo]))  # noqa: E731
+        scales = (4094.0, 4096.0)
+    alone = step(*(t[1:] for t in make(scales[0]))).clipped.grads
+    moved = []
+    for s in scales:
+        grads = step(*make(s)).clipped.grads
+        moved.append(math.sqrt(sum(float((grads[k].double() - alone[k].double()).square().sum()) for k in grads)))
+    assert abs(moved[0] - moved[1]) <= 2.0**-20, moved
+
+
 @pytest.mark.parametrize("case", ["rank-one linear", "bias vector"])
 def test_one_ulp_at_float32_overflow_does_not_switch_an_example_on(case):
     # Before: a float32 sum of squares (||a||^2 of a rank-one ghost norm, a bias gradient's)

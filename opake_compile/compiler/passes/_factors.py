@@ -1287,7 +1287,7 @@ def emit_factor_magnitude(em: Emitter, factors: list[Factor], p: int, cache: dic
         for f in factors:
             for node in [f.b] + ([] if f.onehot else [f.a]):
                 n = math.prod(val(node).shape) // p * f.k
-                out = em(aten.maximum.default, out, em(aten.mul.Tensor, raw(node), 1.0 / magnitude_limit(torch.float32, n)))
+                out = em(aten.maximum.default, out, em(aten.mul.Tensor, raw(node), 1.0 / magnitude_limit(val(node).dtype, n)))
     return out
 
 

@@ -8,7 +8,8 @@ Gradients that are not finite are selected away (they contribute exactly zero an
 So, gradually, are examples too large for their norm to be computed: the clip factor is
 multiplied by ``clamp(2 - m_i / H, 0, 1)``, ``m_i`` the largest entry of any factor or
 materialised gradient the example's norm is read from and ``H`` a power of two set by dtype and
-shape (:func:`magnitude_limit`: 2^46 for a GPT-2 layer's inputs at T = 256), and the product of the
+shape (:func:`magnitude_limit`: 2^46 for a GPT-2 layer's inputs at T = 256 in float32, 2^14 for
+float16 values, which the model itself computes in float16), and the product of the
 example's largest input and output-gradient entries of a layer too (:func:`product_limit`: 2^40
 for GPT-2's first MLP layer at T = 256; float64 factors, scaled by powers of two, bound only
 that product: 2^487 for a 768 x 768 layer at T = 4),
@@ -480,10 +481,14 @@ def magnitude_limit(dtype: torch.dtype, n: int) -> float:
     times its positions K (a centred term's mean is a sum over the K positions, squared and
     summed over the entries: a review found the cut still there at K = 1024 without it):
     2^46 for a GPT-2 layer's inputs at T = 256. Products of two factors are bounded by
-    :func:`product_limit`. Float64 (a materialised gradient's float64 sum of squares):
-    ``16 n H^2 <= 2^1001``."""
+    :func:`product_limit`. Float16 nodes are the model's own arithmetic (its activations,
+    output gradients, per-example gradients), which overflows at 65504 before anything of ours
+    runs: at most 2^14, so the weight is 0 from 2^15 on (a review: a float16 per-example gradient
+    entry at 65504 added 0.999 C, the next input ulp made it inf, dropped). Float64 (a
+    materialised gradient's float64 sum of squares): ``16 n H^2 <= 2^1001``."""
     top = 1001 if dtype == torch.float64 else 123
-    return 2.0 ** ((top - 4 - max(0, math.ceil(math.log2(max(n, 1))))) // 2)
+    limit = 2.0 ** ((top - 4 - max(0, math.ceil(math.log2(max(n, 1))))) // 2)
+    return min(limit, 2.0**14) if dtype == torch.float16 else limit
 
 
 def product_limit(dtype: torch.dtype, k: int, r: int, c: int) -> float:
