@@ -113,11 +113,8 @@ things are needed:
    most ``2 m`` of them: within ``rho = 2^-10`` while (examples in the logical batch) x (rows
    per chunk) x K <= 2^36 (2^16 examples in chunks of 4096 at K <= 128; 2^14 at K = 512).
    Beyond that the float64 worst case, which takes ties crafted at 2^-53 of the partial sums
-   in every one of the 2^36 additions, would exceed the slack, so a graph whose longest
-   float64 chain of rows (P examples times the positions each adds to one product; one term
-   per example where an example's product is formed first) passes 2^20 clips to a smaller
-   ``C_eff``, its slack scaled by ``2^16 P K / 2^36`` (:func:`clip_scale`; 2^-9 at P = 4096,
-   K = 512). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
+   in every one of the 2^36 additions, exceeds the slack; nothing refuses it yet (the README
+   says so). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
    realistic rounding (Higham & Mary 2019, "A new approach to probabilistic rounding error
    analysis": a dot product of length n errs by about ``lambda sqrt(n) u`` times its absolute
    terms), with the adversarial suite (``property_tests/test_soundness_properties.py``:
@@ -213,7 +210,6 @@ __all__ = [
     "gamma",
     "rho",
     "clip_scale",
-    "RHO_ROWS",
     "sum_dtype",
     "effective_clipping_norm",
     "emit_sq_sum",
@@ -347,24 +343,9 @@ def rho(sum_dtype: torch.dtype) -> float:
     return RHO[sum_dtype]
 
 
-#: ``N P K`` up to which :data:`RHO` covers a float32 model's float64 accumulation (point 3 of
-#: the module docstring: N examples per logical batch, chains of P K rows).
-RHO_ROWS = 2**36
-
-
-def clip_scale(sum_dtype: torch.dtype, chain: int = 1) -> float:
-    """``1 / (1 + rho)``, the factor from C to the effective clipping norm ``C_eff``.
-
-    ``chain``: the longest float64 accumulation over rows of one graph (P examples times the
-    positions K each adds to one product; a per-example sum adds one term per example). For
-    float32 and lower models, where :data:`MAX_FLOAT32_LOGICAL_ROWS` times it exceeds
-    :data:`RHO_ROWS`, the worst case of point 3 grows with it, and so does the slack:
-    ``rho (N_max chain / 2^36)`` (2^-9 at P = 4096, K = 512, which a crafted batch could
-    otherwise exceed with ties in every addition). Float64 models keep ``2^-40``."""
-    r = rho(sum_dtype)
-    if sum_dtype != torch.float64:
-        r *= max(1.0, MAX_FLOAT32_LOGICAL_ROWS * chain / RHO_ROWS)
-    return 1.0 / (1.0 + r)
+def clip_scale(sum_dtype: torch.dtype) -> float:
+    """``1 / (1 + rho)``, the factor from C to the effective clipping norm ``C_eff``."""
+    return 1.0 / (1.0 + rho(sum_dtype))
 
 
 #: Most rows one compiled graph sums. Sums are float64 (point 3 of the module docstring): a

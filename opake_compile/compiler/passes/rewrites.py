@@ -53,7 +53,7 @@ from opake_compile.compiler.passes._factors import (
     view_root,
 )
 from opake_compile.compiler.passes.ghost_conv import match_conv
-from opake_compile.compiler.passes.numerics import NORM_DTYPE, clip_scale
+from opake_compile.compiler.passes.numerics import NORM_DTYPE
 from opake_compile.compiler.passes.ghost_embedding import match_embedding, match_embedding_bag
 from opake_compile.compiler.passes.ghost_matmul import match_matmul
 from opake_compile.exceptions import ConfigurationError
@@ -431,7 +431,6 @@ def _ghost_clipping(
     # Whether the kept examples are a prefix (and how many), read by every book-keeping call:
     # computed once, before the output.
     kept_prefix = _kernels.kept_prefix(kept, Emitter(graph, before=out_node))
-    chains: list[int] = []  # each rewritten block's float64 chain of rows (numerics.clip_scale)
     for name, sq in sq_nodes.items():
         wanted = force.get(name, "auto")
         if wanted == "materialized":
@@ -453,7 +452,7 @@ def _ghost_clipping(
         try:
             label, why, used, method = _rewrite_parameter(
                 em, em_out, name, sq, mass_nodes[name], magnitude_nodes[name], sum_nodes[name], wanted, enabled,
-                bookkeeping, grams, kept, factor, clip, sum_acc, kept_prefix, forward, chains,
+                bookkeeping, grams, kept, factor, clip, sum_acc, kept_prefix, forward,
             )
             done = used is not None
         except _RuleFailed as err:
@@ -476,12 +475,6 @@ def _ghost_clipping(
             matches[rule] = matches.get(rule, 0) + 1
     if not kept_prefix.users:  # (its inputs are dead too: dead-code elimination removes them)
         graph.erase_node(kept_prefix)
-    if chains:
-        # A longer float64 chain of rows than the slack covers: clip to a smaller C_eff (one
-        # node, read by every clip factor and by the book-keeping sums' underflow tests).
-        c_in, scale = clip.args
-        assert clip.target == aten.mul.Tensor and isinstance(scale, float), "clip_norm_eff layout"
-        clip.args = (c_in, min(scale, clip_scale(sum_acc, max(chains))))
     return PassReport(
         name="ghost_clipping", modified=bool(matches), matches=matches, coverage=coverage, notes=notes, methods=methods
     )
@@ -505,12 +498,9 @@ def _rewrite_parameter(
     sum_acc: torch.dtype,
     kept_prefix: fx.Node,
     forward: frozenset[fx.Node],
-    chains: list[int],
 ) -> tuple[str | None, str | None, list[str] | None]:
     """Try to rewrite one parameter's norm and clipped sum (``forward``: the nodes the losses
-    are computed from, :func:`_loss_ancestors`; ``chains``: where each block's float64 chain
-    of rows is appended once the rewrite completes, P times the positions its products add,
-    one per example for a per-example sum).
+    are computed from, :func:`_loss_ancestors`).
 
     Returns:
         ``(coverage label or None, note or None, matched rule names or None)``; the graph is
@@ -580,9 +570,6 @@ def _rewrite_parameter(
     # Everything is emitted: only now redirect the uses (nothing above changed the graph's
     # existing nodes, so a failure before this point is undone by erasing the new nodes).
     summed.meta["opake_role"] = ("clipped_sum", name)
-    for block in found.blocks:
-        own = 0 if per_example_sum_ok(block, sum_acc, bookkeeping) else sum(f.k for f in block if not f.onehot)
-        chains.append(p * max(1, own + sum(f.k for f in block if f.onehot)))
     sq.replace_all_uses_with(new_sq)
     mass.replace_all_uses_with(new_mass)
     magnitude.replace_all_uses_with(new_magnitude)
