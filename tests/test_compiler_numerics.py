@@ -162,6 +162,31 @@ def test_one_ulp_at_a_product_or_mean_overflow_does_not_switch_an_example_on(cas
     assert abs(moved[0] - moved[1]) <= 2.0**-20, moved
 
 
+class _Pieces(nn.Module):
+    """One parameter used in two pieces of 1 and 1600 rows (two blocks of unequal shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((1601, 1), 2.0**-70))
+
+    def forward(self, x, v1, v2):
+        w1, w2 = self.w.split([1, 1600])
+        return ((x @ w1.t()) * v1).sum() + ((x @ w2.t()) * v2).sum()
+
+
+def test_one_ulp_at_a_larger_piece_overflow_does_not_switch_an_example_on():
+    # A review: the product limit took the first block's shape (1 row) for the whole parameter,
+    # so the 1600-row block's float32 sum of squares overflowed at weight 0.4: 0.3996 C against
+    # 0 one ulp apart. Each block now has its own limit.
+    step = compile_dp(lambda m, x, a, b: m(x, a, b), model=_Pieces(), clipping_norm=1.0, physical_batch_size=1,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"w": "mixed"})])
+    x, v1 = torch.full((1, 1, 1), 2.0**7), torch.ones(1, 1, 1)
+    below = torch.tensor(3602879218712576.0)
+    above = torch.nextafter(below, torch.tensor(math.inf))
+    got = [_released_norm(step, x, v1, torch.full((1, 1, 1600), float(s)))[0] for s in (below, above)]
+    assert abs(got[0] - got[1]) <= 2.0**-20, got
+
+
 @pytest.mark.parametrize("case", ["materialised", "through a second layer"])
 def test_one_ulp_at_float16_overflow_does_not_switch_an_example_on(case):
     # A review: float16 models' own arithmetic overflows at 65504, far below the float32-derived

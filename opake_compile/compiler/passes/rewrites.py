@@ -554,7 +554,11 @@ def _rewrite_parameter(
             masses.append(b_mass)
             sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
         new_sq, new_mass = merge_parts(em, sqs, masses)
-        new_magnitude = emit_factor_magnitude(em, factors, p, grams)
+        # Per block: each has its own shape (pieces of one parameter used separately).
+        new_magnitude = None
+        for block in found.blocks:
+            m = emit_factor_magnitude(em, block, p, grams)
+            new_magnitude = m if new_magnitude is None else em(aten.maximum.default, new_magnitude, m)
         summed = sums[0] if len(sums) == 1 else em_out(aten.cat.default, sums, found.cat_dim)
         summed = em_out(aten.reshape.default, summed, list(shape(g)[1:]))
     except Exception as err:  # noqa: BLE001 - reported, the parameter falls back
