@@ -280,3 +280,33 @@ def test_a_cpu_step_of_a_float32_model_never_reads_an_operand_on_the_host(monkey
     monkeypatch.setattr(torch, "aminmax", refuse)
     got = step(x).clipped.grads
     assert all(torch.equal(got[k], want[k]) and got[k].dtype == torch.float64 for k in want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=["float32", "float64"])
+@pytest.mark.parametrize("prefix", [True, False], ids=["kept_prefix", "selected"])
+def test_bookkeeping_mm_accumulates_in_chains_of_at_most_max_float64_chain_rows(monkeypatch, dtype, prefix):
+    # numerics point 3: the worst case of one float64 accumulation grows with its rows, so
+    # products over more than MAX_FLOAT64_CHAIN (example, position) rows are cut into chains
+    # (here 64 rows, 8 examples of 40 positions) whose results are added.
+    from opake_compile.compiler.passes import numerics
+
+    monkeypatch.setattr(numerics, "MAX_FLOAT64_CHAIN", 64)
+    lengths = []
+    real_mm = torch.mm
+
+    def spy(x, y, **kw):
+        if x.dtype == F64:
+            lengths.append(x.shape[1])
+        return real_mm(x, y, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    p, k, r, c = 8, 40, 3, 5
+    at = torch.randn(p, k, r, generator=_gen(7), dtype=dtype)
+    b = torch.randn(p, k, c, generator=_gen(8), dtype=dtype)
+    factor = torch.rand(p, generator=_gen(9), dtype=dtype)
+    kept = torch.ones(p, dtype=torch.bool)
+    if not prefix:
+        kept[2] = False
+    got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
+    torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, factor), rtol=1e-12, atol=1e-12)
+    assert lengths and max(lengths) <= 64 and sum(lengths) == p * k  # (excluded rows are zeroed, not dropped)

@@ -118,6 +118,46 @@ def test_ghost_norm_underflow(c):
     assert float(out.grads["weight"].double().norm()) <= c
 
 
+# ----------------------------------------------------------------------------- float64 chains
+@pytest.mark.parametrize("case", ["linear, fused", "embedding", "grouped conv"])
+def test_in_graph_sums_accumulate_in_chains_of_at_most_max_float64_chain_rows(monkeypatch, case):
+    # numerics point 3: the graph's own float64 products over (example, position) rows (fused
+    # book-keeping, one-hot scatters, grouped products) are cut into chains, here of 64 rows
+    # (4 examples of 40 positions), whose results are added: the same sums, rounded in chains.
+    g = _gen(11)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(2)
+        if case == "linear, fused":
+            model, name = nn.Linear(4, 4, bias=False), "weight"
+            args = (torch.randn(4, 40, 4, generator=g), torch.randn(4, 40, 4, generator=g))
+            loss = lambda m, x, v: (m(x) * v).sum()  # noqa: E731
+            rewrites = lambda: [GhostClipping(force={"weight": "ghost"}, bookkeeping="fused")]  # noqa: E731
+        elif case == "embedding":
+            model, name = nn.Embedding(20, 8), "weight"
+            args = (torch.randint(0, 20, (4, 40), generator=g), torch.randn(4, 40, 8, generator=g))
+            loss = lambda m, ids, v: (m(ids) * v).sum()  # noqa: E731
+            rewrites = lambda: [GhostClipping(force={"weight": "ghost"})]  # noqa: E731
+        else:
+            model, name = nn.Conv1d(4, 4, 3, groups=2, bias=False), "weight"
+            args = (torch.randn(4, 4, 40, generator=g), torch.randn(4, 4, 38, generator=g))
+            loss = lambda m, x, v: (m(x) * v).sum()  # noqa: E731
+            rewrites = lambda: [GhostClipping(force={"weight": "ghost"})]  # noqa: E731
+    whole = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager", rewrites=rewrites())
+    want = whole(*args).clipped.grads[name]
+    seen = []
+
+    def short_chains(n):
+        seen.append(n)
+        return [(s, min(s + 64, n)) for s in range(0, n, 64)]
+
+    monkeypatch.setattr(_factors, "chain_slices", short_chains)
+    chained = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager", rewrites=rewrites())
+    got = chained(*args).clipped.grads[name]
+    assert chained.coverage[name].startswith("ghost")
+    assert 4 * 38 in seen or 4 * 40 in seen  # the rows of the sum went through the chains
+    torch.testing.assert_close(got.double(), want.double(), rtol=1e-12, atol=1e-12)
+
+
 # ----------------------------------------------------------------------------- a cut at overflow
 def _released_norm(step, *args) -> tuple[float, int]:
     out = step(*args).clipped

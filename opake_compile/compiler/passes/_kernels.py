@@ -24,7 +24,7 @@ import math
 import torch
 
 from opake_compile.compiler._graph_utils import val
-from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE
+from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices
 from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "per_example_mm", "PER_EXAMPLE_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
@@ -250,11 +250,24 @@ _SLAB = 1 << 18
 
 
 def _rows_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``sum_i left_i^T right_i`` for float64 ``(P, K, R)`` and ``(P, K, C)``: one product over
-    the (example, position) rows (float64 products are never TF32)."""
+    """``sum_i left_i^T right_i`` for float64 ``(P, K, R)`` and ``(P, K, C)``: a product over
+    the (example, position) rows (float64 products are never TF32), in chains
+    (:func:`_chained_mm`)."""
     p, k, r = left.shape
     c = right.shape[2]
-    return torch.mm(left.reshape(p * k, r).t(), right.reshape(p * k, c))
+    return _chained_mm(left.reshape(p * k, r), right.reshape(p * k, c))
+
+
+def _chained_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left^T right`` for ``(n, R)`` and ``(n, C)`` float64 rows: one product per chain of at
+    most :data:`~opake_compile.compiler.passes.numerics.MAX_FLOAT64_CHAIN` rows, the chains'
+    results added in float64 (point 3 of the numerics: the worst case of a chain grows with
+    its length)."""
+    out = None
+    for start, stop in chain_slices(left.shape[0]):
+        part = torch.mm(left[start:stop].t(), right[start:stop])
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def _wide_bookkeeping(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, factor: torch.Tensor,
@@ -284,7 +297,7 @@ def _wide_bookkeeping(at: torch.Tensor, b: torch.Tensor, kept: torch.Tensor, fac
     else:
         left, right = at.to(wide), b.to(wide, copy=True).mul_(f3)
     n = left.shape[0] * left.shape[1]
-    return torch.mm(left.reshape(n, r).t(), right.reshape(n, c))
+    return _chained_mm(left.reshape(n, r), right.reshape(n, c))
 
 
 def _split_exact(

@@ -107,14 +107,15 @@ things are needed:
    dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.
 
-   For float32 models this is a worst case, not an estimate: a graph of ``P`` rows and ``K``
-   positions adds ``P K`` float64 terms of total mass at most ``P KAPPA C``, so its error is at
-   most ``P^2 K 2^-47 C``, and a removal that shifts the rows of ``m`` such chunks moves at
-   most ``2 m`` of them: within ``rho = 2^-10`` while (examples in the logical batch) x (rows
-   per chunk) x K <= 2^36 (2^16 examples in chunks of 4096 at K <= 128; 2^14 at K = 512).
-   Beyond that the float64 worst case, which takes ties crafted at 2^-53 of the partial sums
-   in every one of the 2^36 additions, exceeds the slack; nothing refuses it yet (the README
-   says so). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
+   For float32 models this is a worst case, not an estimate: every float64 accumulation over
+   (example, position) rows is cut into chains of at most ``L = 2^20`` rows
+   (:data:`MAX_FLOAT64_CHAIN`) whose results are added in float64; a chain of total mass
+   ``m_c`` errs by at most ``L 2^-53 m_c``, the chains of a logical batch of ``N`` examples
+   carry at most ``N KAPPA C`` in all, and a removal that shifts every row after it changes
+   all of them on both sides: at most ``N L 2^-46 C``, within ``rho = 2^-10`` for
+   ``N <= 2^16`` (:data:`MAX_FLOAT32_LOGICAL_ROWS`), whatever the physical batch and the
+   positions per example (before the chains, a graph of 4096 rows of 512 positions was one
+   chain of 2^21, past the slack for crafted ties in every addition). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
    realistic rounding (Higham & Mary 2019, "A new approach to probabilistic rounding error
    analysis": a dot product of length n errs by about ``lambda sqrt(n) u`` times its absolute
    terms), with the adversarial suite (``property_tests/test_soundness_properties.py``:
@@ -199,6 +200,8 @@ __all__ = [
     "slack_dtype",
     "MAX_FLOAT32_LOGICAL_ROWS",
     "check_float32_rows",
+    "MAX_FLOAT64_CHAIN",
+    "chain_slices",
     "RHO",
     "HALF_SUBNORMAL_LOG2",
     "UNDERFLOW_SHARE",
@@ -365,6 +368,19 @@ MAX_FLOAT32_SUM_ROWS = 4096
 #: rank's examples alone. The eager reference sums more than ``MAX_FLOAT32_SUM_ROWS`` rows in
 #: float64 and has no such limit.
 MAX_FLOAT32_LOGICAL_ROWS = 2**16
+
+#: Most (example, position) rows one float64 accumulation of a clipped sum adds before its
+#: result is added to the others' (``_kernels._chained_mm``, ``_factors._emit_chained``):
+#: ``MAX_FLOAT32_LOGICAL_ROWS`` times this is 2^36, where the worst case of point 3 is within
+#: rho, whatever the physical batch and the positions per example. Fixed, so that it depends
+#: on no graph's shape (a clipping norm scaled by the graph's rows instead differed between
+#: bucket graphs: removing one example moved a sum by 1.844 C, review).
+MAX_FLOAT64_CHAIN = 2**20
+
+
+def chain_slices(n: int) -> list[tuple[int, int]]:
+    """``[(start, stop)]`` cutting ``n`` rows into chains of at most :data:`MAX_FLOAT64_CHAIN`."""
+    return [(s, min(s + MAX_FLOAT64_CHAIN, n)) for s in range(0, max(n, 1), MAX_FLOAT64_CHAIN)]
 
 
 def check_float32_rows(rows: int, dtypes: Any, where: str) -> None:
