@@ -108,14 +108,20 @@ things are needed:
    so that every path and the eager reference clip to the same ``C_eff``.
 
    For float32 models this is a worst case, not an estimate: every float64 accumulation over
-   (example, position) rows is cut into chains of at most ``L = 2^20`` rows
+   (example, position) rows is cut into chains of at most ``L = 2^19`` rows
    (:data:`MAX_FLOAT64_CHAIN`) whose results are added in float64; a chain of total mass
    ``m_c`` errs by at most ``L 2^-53 m_c``, the chains of a logical batch of ``N`` examples
-   carry at most ``N KAPPA C`` in all, and a removal that shifts every row after it changes
-   all of them on both sides: at most ``N L 2^-46 C``, within ``rho = 2^-10`` for
+   carry at most ``N KAPPA C_eff`` in all, and a removal that shifts every row after it
+   changes all of them on both sides: at most ``N L 2^-46 C_eff = 2^-11 C_eff`` for
    ``N <= 2^16`` (:data:`MAX_FLOAT32_LOGICAL_ROWS`), whatever the physical batch and the
-   positions per example (before the chains, a graph of 4096 rows of 512 positions was one
-   chain of 2^21, past the slack for crafted ties in every addition). Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
+   positions per example. The other half of ``rho = 2^-10`` covers the rest, each bounded the
+   same way on both sides: adding the chains' results and a parameter's terms (under 2^-19
+   for K below 2^30 positions), adding chunk partials in order (``N^2 / P 2^-47``: 2^-15 at
+   P = 1), an example's own rounding of ``f_i g_i`` (2^-24), and the all-reduce of ``W``
+   ranks' sums (about ``W^2 2^-31``: 2^-13 at W = 512; beyond 512 ranks it is not covered).
+   A review found the first cut (L = 2^20) left nothing for these; before the chains, a graph
+   of 4096 rows of 512 positions was one chain of 2^21.
+   Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
    realistic rounding (Higham & Mary 2019, "A new approach to probabilistic rounding error
    analysis": a dot product of length n errs by about ``lambda sqrt(n) u`` times its absolute
    terms), with the adversarial suite (``property_tests/test_soundness_properties.py``:
@@ -371,11 +377,11 @@ MAX_FLOAT32_LOGICAL_ROWS = 2**16
 
 #: Most (example, position) rows one float64 accumulation of a clipped sum adds before its
 #: result is added to the others' (``_kernels._chained_mm``, ``_factors._emit_chained``):
-#: ``MAX_FLOAT32_LOGICAL_ROWS`` times this is 2^36, where the worst case of point 3 is within
-#: rho, whatever the physical batch and the positions per example. Fixed, so that it depends
+#: ``MAX_FLOAT32_LOGICAL_ROWS`` times this is 2^35, where the worst case of point 3 takes half
+#: of rho, whatever the physical batch and the positions per example. Fixed, so that it depends
 #: on no graph's shape (a clipping norm scaled by the graph's rows instead differed between
 #: bucket graphs: removing one example moved a sum by 1.844 C, review).
-MAX_FLOAT64_CHAIN = 2**20
+MAX_FLOAT64_CHAIN = 2**19
 
 
 def chain_slices(n: int) -> list[tuple[int, int]]:
