@@ -384,6 +384,17 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
     check_not_released(clipped, "This clipped sum")
     if not is_distributed():
         return clipped
+    world = get_world_size()
+    params = clipped.parameters
+    if world > _num.MAX_FLOAT32_RANKS and (params is None or any(p.dtype != torch.float64 for p in params.values())):
+        # (Every rank sees the same world size and parameter dtypes: every rank refuses, before
+        # any collective.)
+        raise ConfigurationError(
+            f"{name}: {world} ranks of a float32 (or lower-precision) model exceed {_num.MAX_FLOAT32_RANKS}: "
+            "adding that many ranks' float64 sums in an order the collective chooses rounds by up to about "
+            "world_size^2 2^-31 C, past what the clipping norm's slack leaves for it (numerics, point 3). "
+            "Train with fewer ranks or a float64 model. Nothing was reduced."
+        )
     device = _collective_device()
     c = float(clipped.clipping_norm)
     bounds = all_reduce(torch.tensor([c, -c], dtype=torch.float64, device=device), "max")

@@ -685,6 +685,33 @@ def test_helpers_without_process_group():
     assert D.sync(tree) is tree
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_more_ranks_than_the_slack_covers_are_refused_for_float32_models(monkeypatch, dtype):
+    # numerics point 3: W ranks' float64 sums add in the collective's order, rounding by up to
+    # about W^2 2^-31 C; past 512 ranks that leaves the slack, so a float32 model is refused
+    # before any collective (every rank sees the same world size: every rank refuses).
+    monkeypatch.setattr(D, "is_distributed", lambda: True)
+    monkeypatch.setattr(D, "get_world_size", lambda: 513)
+
+    def no_collective(*a, **k):
+        raise AssertionError("a collective ran")
+
+    monkeypatch.setattr(D, "all_reduce", no_collective)
+    monkeypatch.setattr(D, "_collective_device", lambda: torch.device("cpu"))
+    w = torch.ones(2, dtype=dtype)
+    clipped = ClippedPytree(grads={"w": torch.ones(2, dtype=torch.float64)}, clipping_norm=1.0,
+                            per_example_norms=torch.ones(1), num_examples=1, parameters={"w": w})
+    if dtype == torch.float32:
+        with pytest.raises(ConfigurationError, match="513 ranks"):
+            D.sum_gradients(clipped)
+    else:  # float64 models are not limited: it goes on to the collectives
+        with pytest.raises(AssertionError, match="a collective ran"):
+            D.sum_gradients(clipped)
+    monkeypatch.setattr(D, "get_world_size", lambda: 512)
+    with pytest.raises(AssertionError, match="a collective ran"):
+        D.sum_gradients(clipped)
+
+
 def test_helpers_validate_arguments():
     t = torch.ones(2)
     with pytest.raises(ConfigurationError, match="op"):

@@ -118,7 +118,8 @@ things are needed:
    same way on both sides: adding the chains' results and a parameter's terms (under 2^-19
    for K below 2^30 positions), adding chunk partials in order (``N^2 / P 2^-47``: 2^-15 at
    P = 1), an example's own rounding of ``f_i g_i`` (2^-24), and the all-reduce of ``W``
-   ranks' sums (about ``W^2 2^-31``: 2^-13 at W = 512; beyond 512 ranks it is not covered).
+   ranks' sums (about ``W^2 2^-31``: 2^-13 at W = 512; more ranks are refused,
+   :data:`MAX_FLOAT32_RANKS`).
    A review found the first cut (L = 2^20) left nothing for these; before the chains, a graph
    of 4096 rows of 512 positions was one chain of 2^21.
    Float64 models' own float64 products and sums keep rho = 2^-40, an argument about
@@ -207,6 +208,7 @@ __all__ = [
     "MAX_FLOAT32_LOGICAL_ROWS",
     "check_float32_rows",
     "MAX_FLOAT64_CHAIN",
+    "MAX_FLOAT32_RANKS",
     "chain_slices",
     "RHO",
     "HALF_SUBNORMAL_LOG2",
@@ -374,6 +376,12 @@ MAX_FLOAT32_SUM_ROWS = 4096
 #: rank's examples alone. The eager reference sums more than ``MAX_FLOAT32_SUM_ROWS`` rows in
 #: float64 and has no such limit.
 MAX_FLOAT32_LOGICAL_ROWS = 2**16
+
+#: Most data-parallel ranks whose float64 sums :func:`~opake_compile.distributed.sum_gradients`
+#: adds for a float32 (or lower) model: ``W`` ranks of at most 2^16 examples each round by up to
+#: about ``W^2 2^-31 C`` in any order, 2^-13 C at 512, within the half of rho that point 3
+#: leaves for the additions after the chains. More ranks are refused.
+MAX_FLOAT32_RANKS = 512
 
 #: Most (example, position) rows one float64 accumulation of a clipped sum adds before its
 #: result is added to the others' (``_kernels._chained_mm``, ``_factors._emit_chained``):
