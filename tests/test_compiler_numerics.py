@@ -150,7 +150,7 @@ def test_in_graph_sums_accumulate_in_chains_of_at_most_max_float64_chain_rows(mo
         seen.append(n)
         return [(s, min(s + 64, n)) for s in range(0, n, 64)]
 
-    monkeypatch.setattr(_factors, "chain_slices", short_chains)
+    monkeypatch.setattr(_kernels, "chain_slices", short_chains)
     chained = compile_dp(loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend="aot_eager", rewrites=rewrites())
     got = chained(*args).clipped.grads[name]
     assert chained.coverage[name].startswith("ghost")

@@ -47,7 +47,6 @@ from opake_compile.compiler.passes.numerics import (
     FLOAT64_TINY,
     KAPPA,
     NORM_DTYPE,
-    chain_slices,
     emit_magnitude,
     emit_sq_sum,
     emit_sum_sq_bound,
@@ -1210,7 +1209,7 @@ def emit_clipped_sum(
             flat_ids = em(aten.reshape.default, f.a, [p * k])
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
-            term = _emit_chained(em, p * k, lambda s, e: em(
+            term = _kernels.chained(em, p * k, lambda s, e: em(
                 aten.embedding_dense_backward.default, _rows(em, flat_b, 0, s, e, p * k), _rows(em, flat_ids, 0, s, e, p * k), r, pad, False))
         elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
@@ -1220,7 +1219,7 @@ def emit_clipped_sum(
             b = em(aten.where.self, keep3, _as_dtype(em, f.b, wide), zero)
             a_rows = em(aten.t.default, em(aten.reshape.default, at, [p * k, r]))
             b_rows = em(aten.reshape.default, b, [p * k, c])
-            term = _emit_chained(em, p * k, lambda s, e: em(
+            term = _kernels.chained(em, p * k, lambda s, e: em(
                 aten.mm.default, _rows(em, a_rows, 1, s, e, p * k), _rows(em, b_rows, 0, s, e, p * k)))
         else:
             # A^T (P, K, R) is usually a view of a contiguous tensor (output gradients), so the
@@ -1330,22 +1329,10 @@ def _grouped_sum(em: Emitter, f: Factor, kept: fx.Node, factor: fx.Node, acc: to
         a = em(aten.mul.Tensor, a, f4)
     a = em(aten.reshape.default, em(aten.permute.default, a, [1, 2, 0, 3]), [ng, r, p * k])
     b = em(aten.reshape.default, em(aten.permute.default, b, [1, 0, 2, 3]), [ng, p * k, c])
-    prod = _emit_chained(em, p * k, lambda s, e: em(aten.bmm.default, _rows(em, a, 2, s, e, p * k), _rows(em, b, 1, s, e, p * k)))
+    prod = _kernels.chained(em, p * k, lambda s, e: em(aten.bmm.default, _rows(em, a, 2, s, e, p * k), _rows(em, b, 1, s, e, p * k)))
     return em(aten.reshape.default, prod, [ng * r, c])  # (float64: released sums are)
 
 
 def _rows(em: Emitter, x: fx.Node, dim: int, start: int, stop: int, n: int) -> fx.Node:
     """Rows ``[start, stop)`` of ``x`` along ``dim`` (``x`` itself when that is all ``n``)."""
     return x if (start, stop) == (0, n) else em(aten.slice.Tensor, x, dim, start, stop)
-
-
-def _emit_chained(em: Emitter, n: int, product: Callable[[int, int], fx.Node]) -> fx.Node:
-    """A float64 accumulation over ``n`` rows in chains of at most
-    :data:`~.numerics.MAX_FLOAT64_CHAIN` rows (``product(start, stop)`` emits one chain's),
-    their results added in float64 (numerics, point 3: a chain's worst case grows with its
-    length; the kernels' own form is ``_kernels._chained_mm``)."""
-    out = None
-    for start, stop in chain_slices(n):
-        part = product(start, stop)
-        out = part if out is None else em(aten.add.Tensor, out, part)
-    return out

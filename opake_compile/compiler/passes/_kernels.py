@@ -27,7 +27,7 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "per_example_mm", "PER_EXAMPLE_MM", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "per_example_mm", "PER_EXAMPLE_MM", "chained", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
@@ -259,14 +259,21 @@ def _rows_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 
 def _chained_mm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left^T right`` for ``(n, R)`` and ``(n, C)`` float64 rows: one product per chain of at
-    most :data:`~opake_compile.compiler.passes.numerics.MAX_FLOAT64_CHAIN` rows, the chains'
-    results added in float64 (point 3 of the numerics: the worst case of a chain grows with
-    its length)."""
+    """``left^T right`` for ``(n, R)`` and ``(n, C)`` float64 rows, in chains (:func:`chained`)."""
+    return chained(_eager, left.shape[0], lambda s, e: torch.mm(left[s:e].t(), right[s:e]))
+
+
+def chained(call, n: int, product):
+    """A float64 accumulation over ``n`` rows in chains of at most
+    :data:`~opake_compile.compiler.passes.numerics.MAX_FLOAT64_CHAIN` rows:
+    ``product(start, stop)`` forms one chain's sum, and the chains' results are added in
+    float64 (point 3 of the numerics: the worst case of a chain grows with its length).
+    ``call`` as for :func:`underflow_unsafe` (:func:`_eager` on tensors, an ``Emitter`` in a
+    graph)."""
     out = None
-    for start, stop in chain_slices(left.shape[0]):
-        part = torch.mm(left[start:stop].t(), right[start:stop])
-        out = part if out is None else out.add_(part)
+    for start, stop in chain_slices(n):
+        part = product(start, stop)
+        out = part if out is None else call(torch.ops.aten.add.Tensor, out, part)
     return out
 
 
