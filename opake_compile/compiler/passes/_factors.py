@@ -1082,6 +1082,11 @@ PER_EXAMPLE_MIN_K = 32
 PER_EXAMPLE_MIN_SIZE = 4096
 
 
+def _float64_term(f: Factor) -> bool:
+    """Whether a term has a float64 dense factor (one-hot ids have no dtype that matters)."""
+    return val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE)
+
+
 def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str) -> bool:
     """Whether a block's clipped sum is formed example by example (``opake::per_example_mm``:
     each example's float32 product, added in float64) rather than as one float64 product over
@@ -1101,7 +1106,7 @@ def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str
     if acc == NORM_DTYPE or bookkeeping != "per_layer" or not dense:
         return False
     for f in factors:
-        if f.groups != 1 or val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE):
+        if f.groups != 1 or _float64_term(f):
             return False
         if not _kernels._host_reads_are_free(val(f.b)):  # (a module attribute: tests patch it)
             return False
@@ -1272,7 +1277,7 @@ def emit_factor_magnitude(em: Emitter, factors: list[Factor], p: int, cache: dic
     their norms are formed, so only the product matters there.
     ``cache``: the graph's Gram cache, so that layers reading one input take its maximum once."""
     cache = {} if cache is None else cache
-    wide = any(val(f.b).dtype == NORM_DTYPE or (not f.onehot and val(f.a).dtype == NORM_DTYPE) for f in factors)
+    wide = any(_float64_term(f) for f in factors)
 
     def raw(node: fx.Node) -> fx.Node:
         return _memo(cache, ("magnitude", node, p), lambda: emit_magnitude(em, node, p, 1.0))
