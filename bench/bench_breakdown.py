@@ -42,6 +42,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="1: CPU time on one thread; more: wall time")
     ap.add_argument("--compare-ghost-embeddings", action="store_true")
     ap.add_argument("--compare-float64-sums", action="store_true")
+    ap.add_argument("--compare-budget", type=float, action="append", default=[], metavar="B",
+                    help="add a row with GhostClipping(materialize_budget=B) (repeatable)")
+    ap.add_argument("--direct-pass-cost", type=float, default=None,
+                    help="the --compare-budget rows' rewrites.DIRECT_PASS_COST (default: the library's)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", type=int, default=25, help="rows of each profile table")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test")
@@ -83,7 +87,27 @@ def main() -> None:
     if ns.compare_float64_sums:
         steps["dp_float64_sums"] = opake.compile_dp(
             spec.loss_fn, model=model, clipping_norm=1.0, physical_batch_size=b, backend="inductor")
+    for budget in ns.compare_budget:
+        steps[f"dp_budget_{budget:g}"] = opake.compile_dp(
+            spec.loss_fn, model=model, clipping_norm=1.0, physical_batch_size=b, backend="inductor",
+            rewrites=[GhostClipping(materialize_budget=budget)],
+        )
     fns = {"np_grad": np_grad} | {k: (lambda s=s: s(*args)) for k, s in steps.items()}
+    if ns.direct_pass_cost is not None:
+        from opake_compile.compiler.passes import rewrites
+
+        def with_pass_cost(s, traced) -> object:
+            if traced:
+                return s(*args)
+            saved, rewrites.DIRECT_PASS_COST = rewrites.DIRECT_PASS_COST, ns.direct_pass_cost
+            try:
+                return s(*args)  # the trace reads the cost model
+            finally:
+                rewrites.DIRECT_PASS_COST = saved
+                traced.append(True)
+
+        for budget in ns.compare_budget:
+            fns[f"dp_budget_{budget:g}"] = lambda s=steps[f"dp_budget_{budget:g}"], t=[]: with_pass_cost(s, t)
     if ns.compare_float64_sums:
         from opake_compile.compiler.passes import _factors, rewrites
 

@@ -144,15 +144,19 @@ def test_kept_prefix_counts_leading_kept_rows_only_when_they_are_all(kept, want)
     assert _kernels._kept_prefix(got) == (None if want < 0 else want)
 
 
-@pytest.mark.parametrize("n, size", [(300, 100), (301, 101), (400, 64), (129, 65), (64, 128)])
-def test_sliced_gram_adds_the_float32_slice_products_in_float64_in_order(n, size):
-    # The graph form it replaced: a float32 product per slice of `size` terms, cast, added
-    # left to right; the rounding bound of _gram_entry_gamma assumes exactly this. Equal bit
-    # for bit, on non-contiguous views as the panels pass them. Slices 0, 1, 2 are scaled by
-    # 2^45, 1 and -2^45, and slice 2 nearly mirrors slice 0: their products cancel to ~2^25
-    # while slice 1's are ~1, so another order of the float64 additions (reversed, pairwise),
-    # a float32 sum, or slices of another length than `size` (400 terms: 64, not
-    # _gram_slice's 100) would round slice 1's contribution differently.
+@pytest.mark.parametrize("n, size", [(300, 100), (301, 101), (400, 64), (129, 65), (64, 128), (1300, 100), (2000, 64)])
+def test_sliced_gram_adds_slice_products_in_float32_groups_then_float64_in_order(n, size):
+    # The order the rounding bound of _gram_entry_gamma assumes: a float32 product per slice
+    # of `size` terms, the products of each group of GRAM_GROUP slices added left to right in
+    # float32, each group's sum cast and added left to right in float64. Equal bit for bit, on
+    # non-contiguous views as the panels pass them. Slices 0, 1, 2 (mod 3) are scaled by 2^45,
+    # 1 and -2^45 and slice 2 nearly mirrors slice 0, so their products cancel to ~2^25 while
+    # slice 1's are ~1: another grouping (all in float64, all in float32, groups of another
+    # size), another order, or slices of another length than `size` (400 terms: 64, not
+    # _gram_slice's 100) rounds slice 1's contribution differently. 1300 and 2000 terms make
+    # two and four groups, the last one short.
+    from opake_compile.compiler.passes._kernels import GRAM_GROUP
+
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(3, n, 7, generator=g), torch.randn(3, 10, n, generator=g).transpose(1, 2)
     mirror = max(0, min(size, n - 2 * size))
@@ -160,16 +164,38 @@ def test_sliced_gram_adds_the_float32_slice_products_in_float64_in_order(n, size
     y[:, 2 * size : 2 * size + mirror] = y[:, :mirror]
     scale = torch.tensor([2.0**45, 1.0, -(2.0**45)])[(torch.arange(n) // size) % 3]
     x, y = (x * scale.view(1, n, 1)).transpose(1, 2), y[:, :, 1:]
+    parts = [torch.bmm(x[:, :, s : s + size], y[:, s : s + size]) for s in range(0, n, size)]
     want = None
-    for start in range(0, n, size):
-        part = torch.bmm(x[:, :, start : start + size], y[:, start : start + size]).double()
-        want = part if want is None else want + part
+    for j in range(0, len(parts), GRAM_GROUP):
+        group = parts[j]
+        for part in parts[j + 1 : j + GRAM_GROUP]:
+            group = group + part  # float32
+        want = group.double() if want is None else want + group.double()
     got = SLICED_GRAM(x, y, size)
     assert got.dtype == torch.float64 and got.shape == (3, 7, 9)
     assert torch.equal(got, want)
+    if len(parts) > 1:  # the float64-per-slice order it replaced rounds differently here
+        old = sum((p.double() for p in parts[1:]), parts[0].double())
+        assert not torch.equal(got, old)
     with FakeTensorMode():
         fake = SLICED_GRAM(torch.empty(3, 7, n), torch.empty(3, n, 9), size)
     assert fake.shape == (3, 7, 9) and fake.dtype == torch.float64
+
+
+@pytest.mark.parametrize("n", [129, 1000, 3072, 8192, 20000])
+def test_sliced_gram_is_within_the_gram_entry_bound_on_same_signed_terms(n):
+    # Positive terms of mixed sizes (no cancellation, so the bound relative to sum |x| |y|
+    # is tight-ish): the error against the float64 product stays within _gram_entry_gamma(n).
+    from opake_compile.compiler.passes import _factors
+
+    g = torch.Generator().manual_seed(n)
+    x = torch.rand(2, 5, n, generator=g) * torch.exp2(torch.randint(-8, 8, (1, 1, n), generator=g).float())
+    y = torch.rand(2, n, 6, generator=g)
+    size = _factors._gram_slice(n) if n > _factors.GRAM_CHUNK else n
+    got = SLICED_GRAM(x, y, size)
+    exact = torch.bmm(x.double(), y.double())
+    mass = torch.bmm(x.double().abs(), y.double().abs())
+    assert ((got - exact).abs() <= _factors._gram_entry_gamma(n) * mass).all()
 
 
 def test_bookkeeping_mm_fake_impl_gives_shape_and_dtype():

@@ -355,6 +355,28 @@ def test_an_example_whose_float32_product_overflows_is_rescaled_alone():
     assert float((got - rest - own).norm()) <= bound + float(rest.norm()) * 2.0**-50
 
 
+def test_an_overflow_to_both_infinities_is_caught_by_the_one_pass_finiteness_test():
+    # per_example_mm tests its float64 total once, by its sum (finite entries cannot overflow
+    # it: weights at most 1, float32 entries below 2^128). An example whose product overflows
+    # to +inf in one entry and -inf in another makes that sum NaN, not inf: still caught, and
+    # the example is rescaled like any other.
+    p, k, r, c = 3, 40, 4, 6
+    at = torch.randn(p, k, r, generator=_gen(27))
+    b = torch.randn(p, k, c, generator=_gen(28))
+    at[1], b[1] = at[1].abs() * 1e20, b[1].abs() * 1e20
+    b[1, :, 0] *= -1  # column 0 of its product: -inf; the others: +inf
+    f = torch.tensor([0.5, 1e-42, 0.75])
+    kept = torch.ones(p, dtype=torch.bool)
+    raw = at[1].T @ b[1]
+    assert bool((raw[:, 0] == -math.inf).all()) and bool((raw[:, 1:] == math.inf).all())
+    got = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    assert bool(torch.isfinite(got).all())
+    own = float(f[1].double()) * (at[1].double().T @ b[1].double())
+    others = torch.tensor([True, False, True])
+    rest = per_example_mm(at, b, others, torch.where(others, f, 0), kept_prefix(others))
+    torch.testing.assert_close(got - rest, own, rtol=1e-5, atol=0.0)
+
+
 class _PoolThenLinear(nn.Module):
     """A float32 bmm with one column upstream of the summed layer (``x @ mean(x)^T`` per
     example): on this machine's BLAS its result for one example differs by an ulp between a

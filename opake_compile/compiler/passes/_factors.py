@@ -41,7 +41,7 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes import _kernels
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
+from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, GRAM_GROUP, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
@@ -218,8 +218,9 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
 
 
 #: The longest contraction one float32 Gram product runs over: a longer one (an LM head's
-#: vocabulary, a wide MLP) is split into products over at most this many terms, added in
-#: float64, so each entry's rounding bound is that of GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
+#: vocabulary, a wide MLP) is split into slices whose products are added in float32 in
+#: groups and the groups in float64 (``opake::sliced_gram``), the slices short enough that each
+#: entry's rounding bound is that of at most GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
 GRAM_CHUNK = 128
 
 
@@ -230,9 +231,10 @@ THIN = 2
 
 def _gram(em: Emitter, x: fx.Node, y: fx.Node, acc: torch.dtype) -> fx.Node:
     """``bmm(x, y)`` for ``x`` (P, K1, n) and ``y`` (P, n, K2). In float32 with n above
-    :data:`GRAM_CHUNK`: one product per slice of at most GRAM_CHUNK of the n terms, each cast
-    to float64 (exact) and added there as it is formed (``opake::sliced_gram``, one slice's
-    product alive at a time); the result is then float64. (Stacking the slices into one
+    :data:`GRAM_CHUNK`: one product per slice of the n terms (:func:`_gram_slice`), added in
+    float32 in groups of ``GRAM_GROUP`` slices, each group's sum cast to float64 (exact) and
+    added there (``opake::sliced_gram``, two slices' products alive at a time); the result is
+    then float64. (Stacking the slices into one
     batched product instead needs a copy of the factor and measured slower.) A thin
     float32 product (K1 or K2 at most :data:`THIN`) is one float64 reduction instead: products
     of float32 numbers are exact there and the sum errs by ``gamma_n(u_64)``, inside the
@@ -336,21 +338,32 @@ def _weighted_sum(em: Emitter, parts: list[tuple[fx.Node, float]]) -> fx.Node:
 
 def _gram_entry_gamma(n: int) -> float:
     """The rounding bound of one float32 Gram entry over n terms, relative to
-    ``sum_i |x_i| |y_i|``: ``gamma_n`` for one product; over chunks of m terms (:func:`_gram`),
-    each chunk's ``gamma_m`` plus the float64 sum of the chunks' partial values, which are at
-    most ``(1 + gamma_m)`` times their share of that sum."""
+    ``sum_i |x_i| |y_i|``: ``gamma_n`` for one product; over slices of m terms (:func:`_gram`,
+    ``opake::sliced_gram``) added in float32 in groups of at most G slices, ``gamma_{m + G - 1}``
+    for each group (a blocked sum, Higham 2002, Lemma 3.3: each slice's ``gamma_m``, then
+    G - 1 float32 additions; the unit roundoff of a product, which TF32 may raise, is at
+    least that of an addition), which :func:`_gram_slice` keeps within ``gamma_128``; plus
+    the float64 sum of the groups' values, which are at most ``(1 + gamma_{m + G - 1})``
+    times their share."""
     u = unit_roundoff(torch.float32, matmul=True)
     if n <= GRAM_CHUNK:
         return gamma(n, u)
     size = _gram_slice(n)
-    g = gamma(size, u)
-    return g + gamma(-(-n // size), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
+    slices = -(-n // size)
+    g = gamma(size + min(slices, GRAM_GROUP) - 1, u)
+    return g + gamma(-(-slices // GRAM_GROUP), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
 
 
 def _gram_slice(n: int) -> int:
-    """The slice length :func:`_gram` cuts a contraction of n > GRAM_CHUNK terms into: as
-    even as possible, at most GRAM_CHUNK (the bound and the product read it from here)."""
-    return -(-n // -(-n // GRAM_CHUNK))
+    """The slice length :func:`_gram` cuts a contraction of n > GRAM_CHUNK terms into (the
+    bound and the product read it from here): as even as possible, and short enough that a
+    group's float32 sum (``opake::sliced_gram``: the slice's terms and at most GRAM_GROUP - 1
+    additions of slice products) is a sum of at most GRAM_CHUNK terms in the bound, as one
+    product of GRAM_CHUNK terms was: 768 terms in 7 slices of 110, 3072 in 26 of 119."""
+    slices = -(-n // GRAM_CHUNK)
+    while -(-n // slices) + min(slices, GRAM_GROUP) - 1 > GRAM_CHUNK:
+        slices += 1
+    return -(-n // slices)
 
 
 #: View ops: two chains of them with the same arguments over the same node alias the same

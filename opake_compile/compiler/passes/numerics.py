@@ -47,8 +47,9 @@ things are needed:
      below the smallest admissible C (2^-100);
    - Gram-form (ghost) norms: where the sequence is short enough that the bound below inflates
      an ordinary norm by at most 0.4 % (``(gamma_R + gamma_C) K / 2``, with gamma over at most
-     128 terms: longer contractions are float32 products over slices of 128, added in
-     float64), the Gram matrices are float32 products reduced in float64 (symmetric ones in
+     128 terms: longer contractions are float32 products over slices of at most 121 to 128,
+     added in float32 in groups of 8 slices, a blocked sum whose bound is that of at most 128
+     terms, and the groups in float64), the Gram matrices are float32 products reduced in float64 (symmetric ones in
      panels, the upper triangle of blocks counted twice), and the smaller of
      ``2 (gamma_R + gamma_C) S_i^2`` and a Frobenius-norm bound (``gamma_R ||A||^2 ||B B^T||_F
      + gamma_C ||B||^2 ||A^T A||_F + 3 gamma_R gamma_C (sum_j ||A^j|| ||B^j||)^2``, about
