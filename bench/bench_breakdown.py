@@ -11,7 +11,10 @@ Rows, all compiled with Inductor in this process and timed in rotating order:
   before the cost model learned the embeddings' scatter-add norm;
 - ``dp_float64_sums`` (with ``--compare-float64-sums``): the same with every book-keeping sum a
   float64 product over all rows, as before the CPU's per-example float32 products
-  (``opake::per_example_mm``; the graph is traced with ``per_example_sum_ok`` answering no).
+  (``opake::per_example_mm``; the graph is traced with ``per_example_sum_ok`` answering no);
+- ``dp_budget_<B>`` (with ``--compare-budget B``, repeatable): ``GhostClipping(materialize_budget=B)``,
+  which lets more layers sum their per-example gradients directly; ``--direct-pass-cost X``
+  traces those rows with ``rewrites.DIRECT_PASS_COST = X``.
 
 ``--threads 1`` (default) times CPU seconds of this process (``time.process_time``) on one
 thread: on a machine shared with other jobs that counts the work done and not the waiting,
@@ -22,6 +25,7 @@ self-CPU table of one step of each row, with Inductor's kernels named
     python bench/bench_breakdown.py --model gpt2_t512_b2 --rounds 5 --compare-ghost-embeddings
     python bench/bench_breakdown.py --model gpt2_t256_b8 --rounds 3 --profile
     python bench/bench_breakdown.py --model gpt2_t256_b8 --rounds 5 --compare-float64-sums
+    python bench/bench_breakdown.py --model gpt2_t256_b8 --rounds 5 --compare-budget 1.0 --direct-pass-cost 0
 """
 
 from __future__ import annotations
