@@ -533,8 +533,9 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
 
 
 #: Slices of :func:`sliced_gram` whose float32 products are added in float32 before their sum
-#: goes to the float64 total: with slices of 128 terms, each entry's float32 rounding is then
-#: that of 135 terms rather than 128 (+5 % on the bound), for an eighth of the float64 additions.
+#: goes to the float64 total: an eighth of the float64 additions. A group's rounding is that of
+#: its slice's terms plus 7, so the passes cut slices of at most 121 terms
+#: (:func:`~opake_compile.compiler.passes._factors._gram_slice`) and the bound stays that of 128.
 GRAM_GROUP = 8
 
 
