@@ -182,6 +182,19 @@ def test_sliced_gram_adds_slice_products_in_float32_groups_then_float64_in_order
     assert fake.shape == (3, 7, 9) and fake.dtype == torch.float64
 
 
+@pytest.mark.parametrize("n, size", [(300, 128), (1000, 125), (2000, 122)])
+def test_sliced_gram_refuses_slices_whose_groups_round_past_the_bound(n, size):
+    # A group of 8 slices of m terms rounds like m + 7 terms; the norms' bound counts at most
+    # GRAM_CHUNK = 128. 300 terms in slices of 128 (3 slices: 130), 1000 in 125 (8: 132),
+    # 2000 in 122 (17 slices, groups of 8: 129) are refused; 2000 in 121 is not.
+    from opake_compile.exceptions import UnsupportedOperationError
+
+    x, y = torch.randn(2, 3, n), torch.randn(2, n, 4)
+    with pytest.raises(UnsupportedOperationError, match="sliced_gram"):
+        SLICED_GRAM(x, y, size)
+    assert SLICED_GRAM(x, y, size - 1 if n == 2000 else n).shape == (2, 3, 4)
+
+
 @pytest.mark.parametrize("n", [129, 1000, 3072, 8192, 20000])
 def test_sliced_gram_is_within_the_gram_entry_bound_on_same_signed_terms(n):
     # Positive terms of mixed sizes (no cancellation, so the bound relative to sum |x| |y|

@@ -41,7 +41,14 @@ import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, shape, val
 from opake_compile.compiler.passes import _kernels
-from opake_compile.compiler.passes._kernels import BOOKKEEPING_MM, GRAM_GROUP, PER_EXAMPLE_MM, SLICED_GRAM, underflow_unsafe
+from opake_compile.compiler.passes._kernels import (
+    BOOKKEEPING_MM,
+    GRAM_CHUNK,
+    GRAM_GROUP,
+    PER_EXAMPLE_MM,
+    SLICED_GRAM,
+    underflow_unsafe,
+)
 from opake_compile.compiler.passes.numerics import (
     FLOAT32_TINY,
     FLOAT64_TINY,
@@ -217,11 +224,11 @@ def _gram_a(em: Emitter, f: Factor, g: Factor, acc: torch.dtype) -> fx.Node:
     return _gram(em, em(aten.transpose.int, fa, 1, 2), ga, acc)
 
 
-#: The longest contraction one float32 Gram product runs over: a longer one (an LM head's
-#: vocabulary, a wide MLP) is split into slices whose products are added in float32 in
-#: groups and the groups in float64 (``opake::sliced_gram``), the slices short enough that each
-#: entry's rounding bound is that of at most GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
-GRAM_CHUNK = 128
+# GRAM_CHUNK (imported from _kernels, whose sliced_gram enforces it) is the longest contraction
+# one float32 Gram product runs over: a longer one (an LM head's vocabulary, a wide MLP) is split
+# into slices whose products are added in float32 in groups and the groups in float64
+# (``opake::sliced_gram``), the slices short enough that each entry's rounding bound is that of
+# at most GRAM_CHUNK terms (:func:`_gram_entry_gamma`).
 
 
 #: A float32 Gram product with at most this many rows or columns (a centred term against the

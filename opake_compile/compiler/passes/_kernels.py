@@ -1,7 +1,8 @@
 """Operators the rewrite passes emit that the backend must treat as one opaque call.
 
 ``opake::sliced_gram`` is a float32 Gram product over a long contraction, cut into slices
-whose products are added in float64 one at a time (:func:`sliced_gram`).
+whose products are added in float32 in groups and the groups' sums in float64
+(:func:`sliced_gram`).
 
 ``opake::bookkeeping_mm`` is the book-keeping clipped sum of one dense term,
 ``sum_i f_i A_i @ B_i`` with the excluded examples selected away. Emitted as plain ATen ops,
@@ -27,7 +28,7 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "GRAM_GROUP", "per_example_mm", "PER_EXAMPLE_MM", "chained", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "GRAM_CHUNK", "GRAM_GROUP", "per_example_mm", "PER_EXAMPLE_MM", "chained", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
@@ -515,8 +516,15 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
     Returns:
         ``(P, K1, K2)`` float64.
     """
+    n = x.shape[2]
+    if size < n and size + min(-(-n // size), GRAM_GROUP) - 1 > GRAM_CHUNK:
+        # The bound the norms add assumes at most GRAM_CHUNK terms per group (_gram_slice).
+        raise UnsupportedOperationError(
+            f"opake::sliced_gram: slices of {size} of {n} terms, in groups of {GRAM_GROUP}, round like more than "
+            f"{GRAM_CHUNK} terms, past the bound the norms assume; cut them with _factors._gram_slice."
+        )
     total = group = part = None
-    n, in_group = x.shape[2], 0
+    in_group = 0
     for start in range(0, n, size):
         xs, ys = x[:, :, start : start + size], y[:, start : start + size]
         if in_group == 0:  # a group's first product is its float32 sum so far
@@ -537,6 +545,11 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
 #: its slice's terms plus 7, so the passes cut slices of at most 121 terms
 #: (:func:`~opake_compile.compiler.passes._factors._gram_slice`) and the bound stays that of 128.
 GRAM_GROUP = 8
+
+#: The most terms a float32 Gram entry's rounding bound counts (``_factors._gram_entry_gamma``):
+#: one product over at most this many, or a group of slices whose length plus
+#: ``GRAM_GROUP - 1`` is at most this (:func:`sliced_gram` refuses anything else).
+GRAM_CHUNK = 128
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost
