@@ -349,3 +349,16 @@ def test_bookkeeping_mm_accumulates_in_chains_of_at_most_max_float64_chain_rows(
     got = BOOKKEEPING_MM(at, b, kept, factor, kept_prefix(kept), _C)
     torch.testing.assert_close(got, bookkeeping_reference(at, b, kept, factor), rtol=1e-12, atol=1e-12)
     assert lengths and max(lengths) <= 64 and sum(lengths) == p * k  # (excluded rows are zeroed, not dropped)
+
+
+def test_gram_gammas_take_the_largest_bound_not_the_bound_of_the_widest():
+    # _gram_entry_gamma is not monotone: 128 terms are one product (gamma_128), 129 are two
+    # slices of 65 (gamma_66). Terms of different widths must get the larger of their bounds.
+    from types import SimpleNamespace
+
+    from opake_compile.compiler.passes import _factors
+
+    assert _factors._gram_entry_gamma(128) > _factors._gram_entry_gamma(129)
+    terms = [SimpleNamespace(rows=128, cols=129, onehot=False), SimpleNamespace(rows=129, cols=128, onehot=False)]
+    g_r, g_c = _factors._gram_gammas(terms)
+    assert g_r == g_c == _factors._gram_entry_gamma(128)

@@ -934,8 +934,11 @@ def _bound_rounding(
 
 def _gram_gammas(factors: list[Factor]) -> tuple[float, float]:
     """``(gamma_R, gamma_C)``: the rounding bounds of one float32 Gram entry of A (a dot
-    product over R) and of B (over C), for the widest factor."""
-    return _gram_entry_gamma(max([f.rows for f in factors if not f.onehot] + [1])), _gram_entry_gamma(max(f.cols for f in factors))
+    product over R) and of B (over C), the largest over the factors. (Not the bound of the
+    widest: :func:`_gram_entry_gamma` is not monotone in n, 128 terms in one product bound
+    higher than 129 in two slices of 65. The terms of one block share R and C today.)"""
+    rows = [f.rows for f in factors if not f.onehot] or [1]
+    return max(map(_gram_entry_gamma, rows)), max(_gram_entry_gamma(f.cols) for f in factors)
 
 
 def _frobenius_rounding(
