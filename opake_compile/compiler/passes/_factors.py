@@ -47,6 +47,7 @@ from opake_compile.compiler.passes._kernels import (
     GRAM_GROUP,
     PER_EXAMPLE_MM,
     SLICED_GRAM,
+    group_terms,
     underflow_unsafe,
 )
 from opake_compile.compiler.passes.numerics import (
@@ -356,9 +357,9 @@ def _gram_entry_gamma(n: int) -> float:
     if n <= GRAM_CHUNK:
         return gamma(n, u)
     size = _gram_slice(n)
-    slices = -(-n // size)
-    g = gamma(size + min(slices, GRAM_GROUP) - 1, u)
-    return g + gamma(-(-slices // GRAM_GROUP), unit_roundoff(NORM_DTYPE)) * (1.0 + g)
+    g = gamma(group_terms(n, size), u)
+    groups = -(-n // (size * GRAM_GROUP))  # (groups of GRAM_GROUP slices of size terms)
+    return g + gamma(groups, unit_roundoff(NORM_DTYPE)) * (1.0 + g)
 
 
 def _gram_slice(n: int) -> int:
@@ -368,7 +369,7 @@ def _gram_slice(n: int) -> int:
     additions of slice products) is a sum of at most GRAM_CHUNK terms in the bound, as one
     product of GRAM_CHUNK terms was: 768 terms in 7 slices of 110, 3072 in 26 of 119."""
     slices = -(-n // GRAM_CHUNK)
-    while -(-n // slices) + min(slices, GRAM_GROUP) - 1 > GRAM_CHUNK:
+    while group_terms(n, -(-n // slices)) > GRAM_CHUNK:
         slices += 1
     return -(-n // slices)
 

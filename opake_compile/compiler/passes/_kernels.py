@@ -28,7 +28,7 @@ from opake_compile.compiler._graph_utils import val
 from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices
 from opake_compile.exceptions import UnsupportedOperationError
 
-__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "GRAM_CHUNK", "GRAM_GROUP", "per_example_mm", "PER_EXAMPLE_MM", "chained", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
+__all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "GRAM_CHUNK", "GRAM_GROUP", "group_terms", "per_example_mm", "PER_EXAMPLE_MM", "chained", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
 
 
 _LIB = torch.library.Library("opake", "DEF")
@@ -517,7 +517,7 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
         ``(P, K1, K2)`` float64.
     """
     n = x.shape[2]
-    if size < n and size + min(-(-n // size), GRAM_GROUP) - 1 > GRAM_CHUNK:
+    if size < n and group_terms(n, size) > GRAM_CHUNK:
         # The bound the norms add assumes at most GRAM_CHUNK terms per group (_gram_slice).
         raise UnsupportedOperationError(
             f"opake::sliced_gram: slices of {size} of {n} terms, in groups of {GRAM_GROUP}, round like more than "
@@ -547,9 +547,16 @@ def sliced_gram(x: torch.Tensor, y: torch.Tensor, size: int) -> torch.Tensor:
 GRAM_GROUP = 8
 
 #: The most terms a float32 Gram entry's rounding bound counts (``_factors._gram_entry_gamma``):
-#: one product over at most this many, or a group of slices whose length plus
-#: ``GRAM_GROUP - 1`` is at most this (:func:`sliced_gram` refuses anything else).
+#: one product over at most this many, or a group of slices whose :func:`group_terms` is at
+#: most this (:func:`sliced_gram` refuses anything else).
 GRAM_CHUNK = 128
+
+
+def group_terms(n: int, size: int) -> int:
+    """How many terms one group of :func:`sliced_gram`'s slices rounds like, for a contraction
+    of ``n > size`` terms in slices of ``size``: the slice's terms and the float32 additions of
+    the other slices of its group (a blocked sum, ``gamma_{size + G - 1}``)."""
+    return size + min(-(-n // size), GRAM_GROUP) - 1
 
 
 # A plain library kernel, not ``torch.library.custom_op``: the latter's Python wrapper cost

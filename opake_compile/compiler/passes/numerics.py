@@ -49,8 +49,9 @@ things are needed:
      an ordinary norm by at most 0.4 % (``(gamma_R + gamma_C) K / 2``, with gamma over at most
      128 terms: longer contractions are float32 products over slices of at most 121 to 128,
      added in float32 in groups of 8 slices, a blocked sum whose bound is that of at most 128
-     terms, and the groups in float64), the Gram matrices are float32 products reduced in float64 (symmetric ones in
-     panels, the upper triangle of blocks counted twice), and the smaller of
+     terms, and the groups in float64), the Gram matrices are float32 products reduced in
+     float64 (symmetric ones in panels, the upper triangle of blocks counted twice), and the
+     smaller of
      ``2 (gamma_R + gamma_C) S_i^2`` and a Frobenius-norm bound (``gamma_R ||A||^2 ||B B^T||_F
      + gamma_C ||B||^2 ||A^T A||_F + 3 gamma_R gamma_C (sum_j ||A^j|| ||B^j||)^2``, about
      sqrt(K) times smaller when positions do not line up) is added, plus an absolute term for
@@ -385,7 +386,7 @@ MAX_FLOAT32_LOGICAL_ROWS = 2**16
 MAX_FLOAT32_RANKS = 512
 
 #: Most (example, position) rows one float64 accumulation of a clipped sum adds before its
-#: result is added to the others' (``_kernels._chained_mm``, ``_factors._emit_chained``):
+#: result is added to the others' (``_kernels.chained``, in the operators and in graphs):
 #: ``MAX_FLOAT32_LOGICAL_ROWS`` times this is 2^35, where the worst case of point 3 takes half
 #: of rho, whatever the physical batch and the positions per example. Fixed, so that it depends
 #: on no graph's shape (a clipping norm scaled by the graph's rows instead differed between
