@@ -97,36 +97,36 @@ def main() -> None:
             rewrites=[GhostClipping(materialize_budget=budget)],
         )
     fns = {"np_grad": np_grad} | {k: (lambda s=s: s(*args)) for k, s in steps.items()}
-    if ns.direct_pass_cost is not None:
-        from opake_compile.compiler.passes import rewrites
+    from opake_compile.compiler.passes import _factors, rewrites
 
-        def with_pass_cost(s, traced) -> object:
+    def traced_with(step, patches: list[tuple[object, str, object]]):
+        """``step`` called on the batch, its first call (the trace) with ``setattr(module,
+        name, value)`` for each patch, restored afterwards."""
+        traced: list[bool] = []
+
+        def call() -> object:
             if traced:
-                return s(*args)
-            saved, rewrites.DIRECT_PASS_COST = rewrites.DIRECT_PASS_COST, ns.direct_pass_cost
+                return step(*args)
+            saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+            for m, name, value in patches:
+                setattr(m, name, value)
             try:
-                return s(*args)  # the trace reads the cost model
+                return step(*args)
             finally:
-                rewrites.DIRECT_PASS_COST = saved
+                for m, name, value in saved:
+                    setattr(m, name, value)
                 traced.append(True)
 
+        return call
+
+    if ns.direct_pass_cost is not None:  # the trace reads the cost model
         for budget in ns.compare_budget:
-            fns[f"dp_budget_{budget:g}"] = lambda s=steps[f"dp_budget_{budget:g}"], t=[]: with_pass_cost(s, t)
-    if ns.compare_float64_sums:
-        from opake_compile.compiler.passes import _factors, rewrites
-
-        def float64_sums(s=steps["dp_float64_sums"], traced=[]) -> object:
-            if traced:
-                return s(*args)
-            saved = _factors.per_example_sum_ok
-            _factors.per_example_sum_ok = rewrites.per_example_sum_ok = lambda *a, **k: False
-            try:
-                return s(*args)  # the trace: every sum a float64 product over all rows
-            finally:
-                _factors.per_example_sum_ok = rewrites.per_example_sum_ok = saved
-                traced.append(True)
-
-        fns["dp_float64_sums"] = float64_sums
+            key = f"dp_budget_{budget:g}"
+            fns[key] = traced_with(steps[key], [(rewrites, "DIRECT_PASS_COST", ns.direct_pass_cost)])
+    if ns.compare_float64_sums:  # the trace: every sum a float64 product over all rows
+        never = lambda *a, **k: False  # noqa: E731
+        fns["dp_float64_sums"] = traced_with(
+            steps["dp_float64_sums"], [(_factors, "per_example_sum_ok", never), (rewrites, "per_example_sum_ok", never)])
     print(f"{spec.description}; {ns.threads} thread(s), {'CPU' if ns.threads == 1 else 'wall'} time, load {os.getloadavg()}")
     for k, f in fns.items():
         t0 = time.perf_counter()
