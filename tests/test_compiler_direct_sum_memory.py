@@ -87,3 +87,108 @@ def test_a_tied_lm_heads_mixed_norm_holds_one_per_example_gradient_buffer():
     # The same norms up to each form's rounding bound, and sums that agree.
     torch.testing.assert_close(results["mixed"].clipped.per_example_norms, results["ghost"].clipped.per_example_norms, rtol=1e-4, atol=0)
     torch.testing.assert_close(results["mixed"].clipped.grads["tok.weight"], results["ghost"].clipped.grads["tok.weight"], rtol=1e-4, atol=1e-7)
+
+
+# ------------------------------------------------------------------ when the sums are allocated
+# Two ways Inductor held float64 sums longer than needed (measured on bench_shapes.py's Llama
+# block: 342 MB at the peak, 268 MB with both fixed, the non-private step 252 MB):
+# - every clipped sum of a per-example gradient formed in full reads the clip factor, and
+#   Inductor fused all of them with the factor's kernel into one, whose outputs were allocated
+#   while every per-example gradient was still alive (``_kernels.fence`` keeps them apart);
+# - an embedding table's sum was zero-filled in the step's first kernel and held throughout
+#   (``_kernels.scatter_rows`` allocates it when its rows are ready).
+
+
+class _LlamaLike(nn.Module):
+    # Token table, a gated MLP and an untied head: at T = 256 the MLP and head are summed
+    # directly (as in the Llama row), the table by a scatter of its rows.
+    def __init__(self, vocab: int, d: int, hidden: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids)
+        x = x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        return self.head(x)
+
+
+def _post_pass_graph(step):
+    return list(step._cache.values())[-1].traced.gm.graph
+
+
+def test_large_direct_sums_read_their_own_fence_and_the_table_sum_is_one_scatter():
+    from opake_compile.compiler._graph_utils import nodes_with_role
+    from opake_compile.compiler.passes import _kernels, clip
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _LlamaLike(512, 64, 128)
+        ids = torch.randint(0, 512, (4, 256))
+    step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=4, backend=None,
+                      rewrites=[GhostClipping(materialize_budget=2.0)])
+    step(ids)
+    graph = _post_pass_graph(step)
+    sums = nodes_with_role(graph, "clipped_sum")
+    direct = [k for k, v in step.coverage.items() if v.startswith("direct:")]
+    assert {"gate.weight", "up.weight", "down.weight", "head.weight"} <= set(direct), step.coverage
+
+    def upstream(node):
+        seen, todo = set(), [node]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            todo.extend(a for a in n.all_input_nodes)
+        return seen
+
+    for name in direct:
+        fences = [n for n in upstream(sums[name]) if n.target is _kernels.FENCE]
+        big = 4 * model.get_parameter(name).numel() >= clip.FENCED_ENTRIES
+        assert len(fences) == (1 if big else 0), (name, fences)
+    # One fence per large sum, none shared (a shared one would let the backend fuse the sums again).
+    assert sum(n.target is _kernels.FENCE for n in graph.nodes) == sum(
+        4 * model.get_parameter(k).numel() >= clip.FENCED_ENTRIES for k in direct)
+    # The table's sum is a scatter of its weighted rows; the graph's only other scatters are
+    # the model's own backward (float32, of the batch's rows), never a float64 table.
+    assert any(n.target is _kernels.SCATTER_ROWS for n in upstream(sums["tok.weight"]))
+    for n in graph.nodes:
+        if n.target is torch.ops.aten.embedding_dense_backward.default:
+            assert n.meta["val"].dtype != torch.float64, n
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("case", ["fence", "scatter"])
+def test_sums_are_allocated_late_under_inductor(case, monkeypatch):
+    # Peak bytes of the same step with the fix and with the old graph (fences off, or the
+    # table's sum emitted as plain embedding_dense_backward), compiled by Inductor.
+    from opake_compile.compiler.passes import _factors, clip
+
+    vocab, d, hidden = (4096, 512, 1024) if case == "fence" else (8192, 512, 512)
+    rw = [GhostClipping(materialize_budget=2.0)] if case == "fence" else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _LlamaLike(vocab, d, hidden)
+        ids = torch.randint(0, vocab, (4, 256))
+    peaks, results = {}, {}
+    for tag in ("now", "old"):
+        if tag == "old":
+            if case == "fence":
+                monkeypatch.setattr(clip, "FENCED_ENTRIES", 1 << 62)
+            else:
+                monkeypatch.setattr(_factors, "_scatter_rows", lambda em, rows, i, r, pad: em(
+                    torch.ops.aten.embedding_dense_backward.default, rows, i, r, pad, False))
+        step = compile_dp(next_token_loss, model=model, clipping_norm=1.0, physical_batch_size=4, rewrites=rw)
+        results[tag] = step(ids)
+        if case == "fence":
+            assert step.coverage["head.weight"].startswith("direct:"), step.coverage
+        peaks[tag] = _peak_bytes(lambda: step(ids))
+    # What the fix frees: the head's float64 sum (fence) or the table's float64 sum (scatter).
+    freed = vocab * d * 8
+    assert peaks["old"] - peaks["now"] >= (0.5 if case == "fence" else 0.75) * freed, peaks
+    for k, g in results["now"].clipped.grads.items():
+        torch.testing.assert_close(g, results["old"].clipped.grads[k], rtol=1e-12, atol=1e-15)

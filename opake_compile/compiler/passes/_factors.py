@@ -1238,8 +1238,8 @@ def emit_clipped_sum(
             flat_ids = em(aten.reshape.default, f.a, [p * k])
             flat_b = em(aten.reshape.default, weighted, [p * k, c])
             pad = -1 if f.padding_idx is None else f.padding_idx
-            term = _kernels.chained(em, p * k, lambda s, e: em(
-                aten.embedding_dense_backward.default, _rows(em, flat_b, 0, s, e, p * k), _rows(em, flat_ids, 0, s, e, p * k), r, pad, False))
+            term = _kernels.chained(em, p * k, lambda s, e: _scatter_rows(
+                em, _rows(em, flat_b, 0, s, e, p * k), _rows(em, flat_ids, 0, s, e, p * k), r, pad))
         elif fused:
             # The backend fuses these selects into its own kernels: fastest, but it may keep
             # every layer's masked copies alive at once.
@@ -1263,6 +1263,13 @@ def emit_clipped_sum(
                 term = em(BOOKKEEPING_MM, at, f.b, kept, factor, kept_prefix, clip)
         total = term if total is None else em(aten.add.Tensor, total, term)
     return total
+
+
+def _scatter_rows(em: Emitter, rows: fx.Node, ids: fx.Node, r: int, pad: int) -> fx.Node:
+    """An embedding table's clipped sum, ``embedding_dense_backward`` of the weighted rows, as
+    the opaque ``opake::scatter_rows`` (:func:`~._kernels.scatter_rows`): its float64 result
+    is then allocated when the rows are ready, not zeroed at the start of the step."""
+    return em(_kernels.SCATTER_ROWS, rows, ids, r, pad)
 
 
 def _sum_sq_bound_all(em: Emitter, cache: dict, x: fx.Node, n: int) -> fx.Node:

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from opake_compile.compiler._graph_utils import Emitter, set_role, shape, val
-from opake_compile.compiler.passes import numerics
+from opake_compile.compiler.passes import _kernels, numerics
 from opake_compile.compiler.passes._base import PassReport
 
 aten = torch.ops.aten
@@ -56,12 +56,21 @@ def accumulation_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+#: Per-example gradients (all examples) of at least this many entries have their clipped sum
+#: fenced off from the others' (:func:`emit_weighted_sum`): 4 MiB in float32, where one
+#: opaque call per layer costs nothing next to the sum itself.
+FENCED_ENTRIES = 1 << 20
+
+
 def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -> fx.Node:
     """``sum_i factor[i] * where(kept[i], g[i], 0)`` for g of shape (P, ...), float64 (the
     products in ``factor``'s dtype).
 
     Written as one select-multiply-reduce so that the backend fuses it into a single reduction
     over examples: no masked copy of ``g`` is ever stored (a matrix product would need one).
+
+    A ``g`` of at least :data:`FENCED_ENTRIES` entries reads the factor through its own
+    ``opake::fence`` (:func:`~._kernels.fence`), so that its sum is a kernel of its own.
 
     Error analysis: each entry is a sum of P products ``f_i g_i``; whatever the order, its
     error is at most ``gamma_P sum_i f_i |g_i|``, so in Frobenius norm at most
@@ -70,6 +79,8 @@ def emit_weighted_sum(em: Emitter, kept: fx.Node, factor: fx.Node, g: fx.Node) -
     p = shape(g)
     bshape = [p[0]] + [1] * (len(p) - 1)
     acc = val(factor).dtype
+    if val(g).numel() >= FENCED_ENTRIES:
+        factor = em(_kernels.FENCE, factor)
     x = em(aten._to_copy.default, g, dtype=acc) if val(g).dtype != acc else g
     zero = em(aten.scalar_tensor.default, 0.0, dtype=acc)
     masked = em(aten.where.self, em(aten.view.default, kept, bshape), x, zero)
