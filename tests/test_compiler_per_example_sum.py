@@ -27,6 +27,17 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(params=["fused", "slabs"])
+def add_path(request, monkeypatch):
+    """Both ways per_example_mm adds a float32 product into its float64 total: the compiled
+    one-pass add, and the cast-and-add by slabs it falls back to."""
+    if request.param == "slabs":
+        monkeypatch.setattr(_kernels, "_AXPY", False)
+    else:
+        assert _kernels._fused_axpy() is not None
+    return request.param
+
+
 def _mass(at, b):
     """Per example, sum_k ||a_k|| ||b_k|| in float64."""
     return (at.double().norm(dim=2) * b.double().norm(dim=2)).sum(1)
@@ -326,6 +337,7 @@ def test_the_float64_additions_slab_by_slab_give_the_same_sum_bit_for_bit(monkey
     f = torch.rand(p, generator=_gen(23))
     f[0] = 0.0  # (skipped: the first example to add is the second)
     kept = torch.tensor([True, True, False, True, True])
+    monkeypatch.setattr(_kernels, "_AXPY", False)  # the slab path (the fused add takes no slabs)
     want = per_example_mm(at, b, kept, f, kept_prefix(kept))
     monkeypatch.setattr(_kernels, "_SLAB", slab)
     got = per_example_mm(at, b, kept, f, kept_prefix(kept))
@@ -335,6 +347,7 @@ def test_the_float64_additions_slab_by_slab_give_the_same_sum_bit_for_bit(monkey
     assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
 
 
+@pytest.mark.usefixtures("add_path")
 def test_an_example_whose_float32_product_overflows_is_rescaled_alone():
     # Partial sums past float32's range (a mass near 2^128): the float32 product is inf, and
     # f * inf would poison the sum. That example's factors are scaled by a power of two and
@@ -355,6 +368,7 @@ def test_an_example_whose_float32_product_overflows_is_rescaled_alone():
     assert float((got - rest - own).norm()) <= bound + float(rest.norm()) * 2.0**-50
 
 
+@pytest.mark.usefixtures("add_path")
 def test_an_overflow_to_both_infinities_is_caught_by_the_one_pass_finiteness_test():
     # per_example_mm tests its float64 total once, by its sum (finite entries cannot overflow
     # it: weights at most 1, float32 entries below 2^128). An example whose product overflows
@@ -447,3 +461,59 @@ def test_an_example_just_past_float32_overflow_adds_what_it_would_just_below_it(
     exact = bookkeeping_reference(at * 2.0**64, b * 2.0**64, kept, f)
     assert float((below * 2 - exact).norm()) > 1e-6 * float(exact.norm())  # (the float32 product is off)
     assert torch.equal(above, below * 2)  # the same float32 product, scaled exactly
+
+
+def test_the_fused_add_and_the_slab_path_give_the_same_total(monkeypatch):
+    # The one-pass compiled add (total += float64(part) * w) and the slabs it replaces perform
+    # the same float64 operations per entry, up to a fused multiply-add: within float64
+    # rounding of each other and of the float64 reference, rescaled example included.
+    p, k, r, c = 6, 37, 13, 300
+    at = torch.randn(p, k, r, generator=_gen(41))
+    b = torch.randn(p, k, c, generator=_gen(42))
+    at[3], b[3] = at[3].abs() * 1e20, b[3].abs() * 1e20  # overflows in float32: rescaled
+    f = torch.rand(p, generator=_gen(43))
+    f[3] = 1e-42
+    f[1] = 0.0
+    kept = torch.tensor([True, True, True, True, False, True])
+    assert _kernels._fused_axpy() is not None
+    fused = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    monkeypatch.setattr(_kernels, "_AXPY", False)
+    slabs = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    assert bool(torch.isfinite(fused).all())
+    torch.testing.assert_close(fused, slabs, rtol=1e-14, atol=1e-300)
+    none = torch.zeros(p, dtype=torch.bool)
+    monkeypatch.setattr(_kernels, "_AXPY", None)
+    assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
+
+
+def test_the_fused_add_compiles_once_for_every_size():
+    # dynamic=True: the layers of a model (and the buckets of a Poisson batch) differ in R x C;
+    # a compile per size would cost seconds per layer on the first call.
+    from torch._dynamo.utils import counters
+
+    assert _kernels._fused_axpy() is not None
+    before = counters["stats"]["unique_graphs"]
+    for r, c in ((5, 7), (9, 100), (64, 33), (1, 3)):
+        at, b = torch.randn(3, 20, r, generator=_gen(r)), torch.randn(3, 20, c, generator=_gen(c))
+        kept = torch.ones(3, dtype=torch.bool)
+        f = torch.tensor([0.5, 0.25, 1.0])
+        torch.testing.assert_close(per_example_mm(at, b, kept, f, kept_prefix(kept)),
+                                   bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_a_failed_compile_leaves_the_slab_path(monkeypatch):
+    # No C++ compiler (or any other failure to compile the one-pass add): the slabs, same sum.
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(_kernels, "_AXPY", None)
+    monkeypatch.setattr(torch, "compile", refuse)
+    assert _kernels._fused_axpy() is None
+    assert _kernels._AXPY is False  # tried once per process
+    p, k, r, c = 4, 30, 6, 5
+    at, b = torch.randn(p, k, r, generator=_gen(51)), torch.randn(p, k, c, generator=_gen(52))
+    kept = torch.ones(p, dtype=torch.bool)
+    f = torch.rand(p, generator=_gen(53))
+    torch.testing.assert_close(per_example_mm(at, b, kept, f, kept_prefix(kept)),
+                               bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
