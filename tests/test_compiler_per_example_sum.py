@@ -464,9 +464,9 @@ def test_an_example_just_past_float32_overflow_adds_what_it_would_just_below_it(
 
 
 def test_the_fused_add_and_the_slab_path_give_the_same_total(monkeypatch):
-    # The one-pass compiled add (total += float64(part) * w) and the slabs it replaces perform
-    # the same float64 operations per entry, up to a fused multiply-add: within float64
-    # rounding of each other and of the float64 reference, rescaled example included.
+    # The one-pass compiled add (total += float64(part) * w) and the slabs it replaces give the
+    # same bits: each weight is a float32 clip factor (times a power of two once rescaled), so
+    # its product with a float32 entry is exact in float64, and both round only the sum.
     p, k, r, c = 6, 37, 13, 300
     at = torch.randn(p, k, r, generator=_gen(41))
     b = torch.randn(p, k, c, generator=_gen(42))
@@ -480,7 +480,7 @@ def test_the_fused_add_and_the_slab_path_give_the_same_total(monkeypatch):
     monkeypatch.setattr(_kernels, "_AXPY", False)
     slabs = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert bool(torch.isfinite(fused).all())
-    torch.testing.assert_close(fused, slabs, rtol=1e-14, atol=1e-300)
+    assert torch.equal(fused, slabs)
     none = torch.zeros(p, dtype=torch.bool)
     monkeypatch.setattr(_kernels, "_AXPY", None)
     assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
@@ -517,3 +517,65 @@ def test_a_failed_compile_leaves_the_slab_path(monkeypatch):
     f = torch.rand(p, generator=_gen(53))
     torch.testing.assert_close(per_example_mm(at, b, kept, f, kept_prefix(kept)),
                                bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
+
+
+def test_a_fused_add_that_fails_midway_is_formed_again_by_slabs(monkeypatch):
+    # After its first compile the add can still raise (a recompile past Dynamo's limit under
+    # fullgraph, a mode it cannot run under: found by a review). The total it was forming is
+    # discarded and formed again by slabs: no example added twice, none missing.
+    p, k, r, c = 5, 30, 7, 9
+    at, b = torch.randn(p, k, r, generator=_gen(61)), torch.randn(p, k, c, generator=_gen(62))
+    kept = torch.ones(p, dtype=torch.bool)
+    f = torch.rand(p, generator=_gen(63))
+    monkeypatch.setattr(_kernels, "_AXPY", False)
+    want = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    real = _kernels._axpy
+    calls = []
+
+    def flaky(total, part, weight):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("recompile limit")
+        real(total, part, weight)
+
+    monkeypatch.setattr(_kernels, "_AXPY", flaky)
+    got = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    assert len(calls) == 3 and torch.equal(got, want)
+
+
+@pytest.mark.inductor
+def test_inductors_unsafe_math_flag_cannot_flush_subnormals_mid_step(tmp_path):
+    # With Inductor's cpp.enable_unsafe_math_opt_flag (settable by the environment), gcc links
+    # crtfastmath into a compiled kernel and loading it turns on flush-to-zero for the process
+    # (a review measured it through the fused add). The fused add is compiled with the flag
+    # off; a DP step's own graph compiled with it fails closed before it runs.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, torch.nn as nn
+        from opake_compile import compile_dp
+        from opake_compile.compiler.passes import _kernels
+        from opake_compile.exceptions import ConfigurationError
+        assert _kernels._fused_axpy() is not None
+        print("kept after the fused add:", float(torch.tensor([1e-40]) * 1.0) != 0.0)
+        model = nn.Linear(3, 2)
+        step = compile_dp(lambda m, x: m(x).square().sum(), model=model, clipping_norm=1.0,
+                          physical_batch_size=4, backend="inductor")
+        try:
+            step(torch.randn(4, 3))
+            print("step ran, kept:", float(torch.tensor([1e-40]) * 1.0) != 0.0)
+        except ConfigurationError as err:
+            print("refused:", "flushed" in str(err))
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG="1",
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert "kept after the fused add: True" in lines, out.stdout
+    # Either this gcc does not link crtfastmath (the step runs and subnormals are kept) or it
+    # does and the step refuses before running its graph: never a step run with them flushed.
+    assert lines[-1] in ("refused: True", "step ran, kept: True"), out.stdout

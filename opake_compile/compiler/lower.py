@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from opake_compile.compiler.passes.numerics import check_gradual_underflow
 from opake_compile.exceptions import ConfigurationError, UnsupportedOperationError
 
 __all__ = ["CompileCounter", "lower"]
@@ -61,6 +62,11 @@ class _LazyCompiled:
                     "with backend='aot_eager' (or backend=None) to train this model now, and report "
                     "the model and this message."
                 ) from err
+            # A backend's compiled code may change the floating-point environment when it is
+            # loaded (gcc links crtfastmath into code built with -ffast-math or
+            # -funsafe-math-optimizations, e.g. Inductor with cpp.enable_unsafe_math_opt_flag:
+            # flush-to-zero for the process). Checked before the graph runs: fails closed.
+            check_gradual_underflow()
         return self.fn(*args)
 
 

@@ -34,7 +34,7 @@ import math
 import torch
 
 from opake_compile.compiler._graph_utils import val
-from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices
+from opake_compile.compiler.passes.numerics import HALF_SUBNORMAL_LOG2, UNDERFLOW_SHARE, chain_slices, check_gradual_underflow
 from opake_compile.exceptions import UnsupportedOperationError
 
 __all__ = ["bookkeeping_mm", "BOOKKEEPING_MM", "GRAM_CHUNK", "GRAM_GROUP", "group_terms", "per_example_mm", "PER_EXAMPLE_MM", "chained", "fence", "FENCE", "scatter_rows", "SCATTER_ROWS", "kept_prefix", "partner_of", "sliced_gram", "SLICED_GRAM", "underflow_unsafe"]
@@ -227,7 +227,7 @@ def per_example_mm(
     rows = _kept_prefix(kept_prefix)
     index = range(rows) if rows is not None else kept.nonzero().view(-1).tolist()
     weights = factor.to(torch.float64).tolist()
-    total = _per_example_total(at, b, index, weights, check=False)
+    total = _total(at, b, index, weights, check=False)
     # Finite iff every entry is: the weights are clip factors (at most 1), a finite float32
     # product is below 2^128 and there are at most 2^36 entries (larger factors are refused),
     # so a float64 sum of finite entries cannot overflow, while an inf or NaN entry makes it
@@ -235,20 +235,38 @@ def per_example_mm(
     # (abs, two comparisons, the reduction: ~100 ms per GPT-2 T = 256 step).
     if not math.isfinite(float(total.sum())):
         # Some example's float32 product overflowed: again, each example checked on its own.
-        total = _per_example_total(at, b, index, weights, check=True)
+        total = _total(at, b, index, weights, check=True)
     return total
 
 
-def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
+class _FusedAddFailed(Exception):
+    """The compiled add raised (a recompile it may not make, a mode it cannot run under)."""
+
+
+def _total(at, b, index, weights, *, check: bool) -> torch.Tensor:
+    """:func:`_per_example_total`, with the compiled add where it runs, else the slabs. A total
+    the compiled add failed on is discarded whole and formed again: no example is added twice."""
+    axpy = _fused_axpy()
+    if axpy is not None:
+        try:
+            return _per_example_total(at, b, index, weights, check=check, axpy=axpy)
+        except _FusedAddFailed:
+            pass
+    return _per_example_total(at, b, index, weights, check=check, axpy=None)
+
+
+def _per_example_total(at, b, index, weights, *, check: bool, axpy=None) -> torch.Tensor:
     """The loop of :func:`per_example_mm`; with ``check``, an example whose float32 product is
-    not finite is formed again with its factors rescaled (:func:`_rescaled_product`)."""
+    not finite is formed again with its factors rescaled (:func:`_rescaled_product`). ``axpy``:
+    the compiled add of :func:`_fused_axpy`, or None for the slabs (the same value: each
+    weight is a float32 clip factor, times a power of two after rescaling, so its product with
+    a float32 entry is exact in float64 and both paths round only the sum)."""
     wide = torch.float64
     _, k, r = at.shape
     c = b.shape[2]
     total = torch.empty((r * c,), dtype=wide)
     left, right = torch.empty((k, r), dtype=torch.float32), torch.empty((k, c), dtype=torch.float32)
     prod = torch.empty((r, c), dtype=torch.float32)
-    axpy = _fused_axpy()
     first = True
     if axpy is not None:
         total.zero_()  # (the first product added to zero: exactly the product)
@@ -268,7 +286,11 @@ def _per_example_total(at, b, index, weights, *, check: bool) -> torch.Tensor:
         if axpy is not None and not exact:
             # One pass: each float32 entry read, cast exactly, scaled and added in float64.
             weight.fill_(w)
-            axpy(total, flat, weight)
+            try:
+                with torch.no_grad():  # (one grad mode: Dynamo guards on it)
+                    axpy(total, flat, weight)
+            except Exception as err:  # noqa: BLE001 - the caller forms the total again by slabs
+                raise _FusedAddFailed() from err
             continue
         # Cast and added slab by slab: a float32 product is cast exactly into a small float64
         # buffer that stays in cache (an in-place float64 += float32 add is ~4x slower, and
@@ -309,14 +331,28 @@ def _fused_axpy():
     global _AXPY
     if _AXPY is None:
         try:
-            fn = torch.compile(_axpy, dynamic=True, fullgraph=True)
-            t, part, w = torch.zeros(17, dtype=torch.float64), torch.ones(17), torch.full((), 0.5, dtype=torch.float64)
-            fn(t, part, w)  # compiled here, once: a failure leaves the slab path
-            if not bool((t == 0.5).all()):
+            # Never Inductor's unsafe-math flag (``cpp.enable_unsafe_math_opt_flag``, settable
+            # by the environment): gcc then links crtfastmath, and loading the kernel turns on
+            # flush-to-zero for the process (a review measured it), which the norms' bound
+            # does not allow.
+            fn = torch.compile(_axpy, dynamic=True, fullgraph=True, options={"cpp.enable_unsafe_math_opt_flag": False})
+            # 20 entries (a vector loop and a tail): a float32 subnormal read as it is, the
+            # infinities and NaN carried; added twice, half each time, the total is the probe.
+            probe = torch.tensor([1.0, 2.0**-140, -3.0, math.inf, math.nan] * 4)
+            t = torch.zeros(probe.numel(), dtype=torch.float64)
+            w = torch.full((), 0.5, dtype=torch.float64)
+            with torch.no_grad():
+                fn(t, probe, w)  # compiled here, once: a failure leaves the slab path
+                fn(t, probe, w)
+            want = probe.to(torch.float64)
+            if not torch.equal(torch.nan_to_num(t, nan=7.0), torch.nan_to_num(want, nan=7.0)):
                 raise RuntimeError("the compiled float64 add gave a wrong value")
             _AXPY = fn
         except Exception:  # noqa: BLE001 - any compile failure means: use the slab path
             _AXPY = False
+        # Whatever the compile loaded, subnormals must still be kept (fails closed here, before
+        # the total it would have formed is used).
+        check_gradual_underflow()
     return _AXPY or None
 
 

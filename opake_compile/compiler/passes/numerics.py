@@ -324,9 +324,11 @@ def check_gradual_underflow() -> None:
     tiny, half = _PROBE
     if float(tiny * half) == 0.0:
         raise ConfigurationError(
-            "Subnormal float32 results are flushed to zero (torch.set_flush_denormal(True) is in effect). "
-            "The clipping bound relies on gradual underflow: call torch.set_flush_denormal(False) before "
-            "the DP step. Nothing was computed or spent."
+            "Subnormal float32 results are flushed to zero (torch.set_flush_denormal(True) is in effect, or "
+            "code built with -ffast-math was loaded, e.g. Inductor kernels compiled with "
+            "cpp.enable_unsafe_math_opt_flag). The clipping bound relies on gradual underflow: call "
+            "torch.set_flush_denormal(False) (and leave that Inductor flag off) before the DP step. "
+            "Nothing was computed or spent."
         )
 
 
