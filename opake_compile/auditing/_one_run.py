@@ -106,12 +106,20 @@ def _roc_hull(in_scores: np.ndarray, out_scores: np.ndarray) -> tuple[np.ndarray
 # ----------------------------------------------------------------------------- the searches
 def _gdp_mu_ceiling(m: int, n_in: int, tau: float) -> float:
     """The largest mu the audit can certify: every included canary scored above every excluded
-    one and a rule guessed exactly the n_in included ones (k = c = n_in; a rule does so when
-    the cut falls between the two groups, e.g. when the scores are tied within each group).
-    No outcome does better: a rule's k correct guesses never exceed n_in."""
-    if n_in == 0 or not _stats.gdp_rejected(0.0, m, n_in, n_in, tau):
-        return 0.0
-    return _stats.largest_rejected(lambda mu: _stats.gdp_rejected(mu, m, n_in, n_in, tau), 0.0, rtol=1e-9)
+    one. Rule k (:func:`guess_counts`) then guesses its top min(k, n_in) canaries, all right,
+    when k < m (with the included scores distinct and the excluded ones tied, a cut among the
+    excluded guesses only the n_in above it), and all m, n_in of them right, when k = m. No
+    outcome does better: a rule guesses at most k canaries and at most n_in of them rightly.
+    (Taking k = n_in for granted overstated the ceiling when n_in is not a budget: m = 7,
+    n_in = 6 claimed 0.453 at confidence 0.5, perfect scores certify 0.070; found by the
+    property tests.) :meth:`OneRunEstimate.ceiling` scores the canaries so."""
+    best = 0.0
+    for k in guess_counts(m):
+        guesses, right = (min(int(k), n_in), min(int(k), n_in)) if k < m else (m, n_in)
+        if right > 0 and _stats.gdp_rejected(0.0, m, guesses, right, tau):
+            best = max(best, _stats.largest_rejected(
+                lambda mu, g=guesses, r=right: _stats.gdp_rejected(mu, m, g, r, tau), 0.0, rtol=1e-9))
+    return best
 
 
 def _gdp_search(cand: _Candidates, m: int, tau: float, mu_max: float, grid_size: int) -> tuple[float, float | None]:
@@ -323,7 +331,9 @@ class OneRunEstimate:
     def ceiling(self) -> OneRunEstimate:
         """The estimate these canaries would give with perfect scores (every included canary
         above every excluded one): the most this audit can ever certify, whatever the model."""
-        perfect_in = np.ones(self.num_included)
+        # Included canaries distinct, excluded ones tied below them: every rule's best outcome
+        # (see _gdp_mu_ceiling).
+        perfect_in = np.arange(self.num_included, 0, -1, dtype=np.float64)
         perfect_out = np.zeros(self.num_canaries - self.num_included)
         est = _estimate(perfect_in, perfect_out, self.confidence, self.grid_size)
         return dataclasses.replace(est, method=self.method)
