@@ -477,13 +477,12 @@ def test_the_fused_add_and_the_slab_path_give_the_same_total(monkeypatch):
     kept = torch.tensor([True, True, True, True, False, True])
     assert _kernels._fused_axpy() is not None
     fused = per_example_mm(at, b, kept, f, kept_prefix(kept))
+    none = torch.zeros(p, dtype=torch.bool)  # no example kept: the zero-filled total as it is
+    assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
     monkeypatch.setattr(_kernels, "_AXPY", False)
     slabs = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert bool(torch.isfinite(fused).all())
     assert torch.equal(fused, slabs)
-    none = torch.zeros(p, dtype=torch.bool)
-    monkeypatch.setattr(_kernels, "_AXPY", None)
-    assert torch.equal(per_example_mm(at, b, none, f, kept_prefix(none)), torch.zeros(r, c, dtype=F64))
 
 
 def test_the_fused_add_compiles_once_for_every_size():
