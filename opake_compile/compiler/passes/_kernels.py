@@ -266,7 +266,11 @@ def _per_example_total(at, b, index, weights, *, check: bool, axpy=None) -> torc
     c = b.shape[2]
     total = torch.empty((r * c,), dtype=wide)
     left, right = torch.empty((k, r), dtype=torch.float32), torch.empty((k, c), dtype=torch.float32)
-    prod = torch.empty((r, c), dtype=torch.float32)
+    # The product's buffer is 1-D, seen as R x C by the product: the compiled add gets a tensor
+    # that is no view, so Dynamo guards no sizes of a base (a square R x C first would have
+    # specialised its graph to R == C, and compiled again at the next layer).
+    prod_flat = torch.empty((r * c,), dtype=torch.float32)
+    prod = prod_flat.view(r, c)
     first = True
     if axpy is not None:
         total.zero_()  # (the first product added to zero: exactly the product)
@@ -288,7 +292,7 @@ def _per_example_total(at, b, index, weights, *, check: bool, axpy=None) -> torc
             weight.fill_(w)
             try:
                 with torch.no_grad():  # (one grad mode: Dynamo guards on it)
-                    axpy(total, flat, weight)
+                    axpy(total, prod_flat, weight)  # (``flat``'s entries: the product, scaled or not)
             except Exception as err:  # noqa: BLE001 - the caller forms the total again by slabs
                 raise _FusedAddFailed() from err
             continue
