@@ -27,6 +27,13 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def fused_add_at_every_size(monkeypatch):
+    """The compiled add at the small sizes of these tests (by default only products of
+    ``FUSED_ADD_MIN_ENTRIES`` entries or more take it)."""
+    monkeypatch.setattr(_kernels, "FUSED_ADD_MIN_ENTRIES", 0)
+
+
 @pytest.fixture(params=["fused", "slabs"])
 def add_path(request, monkeypatch):
     """Both ways per_example_mm adds a float32 product into its float64 total: the compiled
@@ -553,6 +560,29 @@ def test_a_fused_add_that_fails_midway_is_formed_again_by_slabs(monkeypatch):
     monkeypatch.setattr(_kernels, "_AXPY", flaky)
     got = per_example_mm(at, b, kept, f, kept_prefix(kept))
     assert len(calls) == 3 and torch.equal(got, want)
+
+
+def test_small_products_take_the_slabs_and_large_ones_the_compiled_add(monkeypatch):
+    # The compiled add costs ~30 us more per call than the slabs: below FUSED_ADD_MIN_ENTRIES
+    # entries (R x C) the slabs are faster.
+    calls = []
+    real = _kernels._fused_axpy()
+    assert real is not None
+
+    def counted(total, part, weight):
+        calls.append(part.numel())
+        real(total, part, weight)
+
+    monkeypatch.setattr(_kernels, "_AXPY", counted)
+    monkeypatch.setattr(_kernels, "FUSED_ADD_MIN_ENTRIES", 64)
+    for r, c, n in ((7, 9, 0), (8, 8, 3), (9, 100, 3)):
+        calls.clear()
+        at, b = torch.randn(3, 5, r, generator=_gen(r)), torch.randn(3, 5, c, generator=_gen(c))
+        kept = torch.ones(3, dtype=torch.bool)
+        f = torch.tensor([0.5, 0.25, 1.0])
+        torch.testing.assert_close(per_example_mm(at, b, kept, f, kept_prefix(kept)),
+                                   bookkeeping_reference(at, b, kept, f), rtol=1e-5, atol=1e-6)
+        assert calls == [r * c] * n
 
 
 @pytest.mark.inductor
