@@ -1357,6 +1357,13 @@ _UNNUMBERED = frozenset(
      "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
     | {flag for flags in _HOOK_DICTS.values() for flag in flags}
 )
+# Class attributes that number no program (_program_key): what Dynamo patches on nn.Module
+# the first time anything in the process is compiled with torch.compile
+# (torch._dynamo.mutation_guard.install_generation_tagging_init wraps __init__ and
+# __setstate__ to tag modules created later). No forward runs them; counted, a user's own
+# torch.compile anywhere after the first step made the step trace again (seconds at GPT-2
+# width).
+_UNNUMBERED_CLASS_ATTRS = {_torch_module.Module: frozenset({"__init__", "__setstate__", "___needs_generation_tag_patch"})}
 # The most programs (_program) one step traces under before each further one warns.
 MAX_MODEL_PROGRAMS = 8
 _NO_VALUE = object()  # an empty closure cell, a global not (yet) defined, an attribute absent
@@ -1546,7 +1553,11 @@ def _program_key(program: tuple, written: frozenset[tuple[int, str]] = frozenset
         kept.append(k)
     g = global_hooks
     hooks = (_hooks_key(g[0]), _hooks_key(g[1], g[2], g[3]), _hooks_key(g[4]), _hooks_key(g[5]), g[6])
-    return types_, tuple(kept), hooks, loss_reading, classes, class_attrs
+    numbered = tuple(
+        {n: v for n, v in a.items() if n not in _UNNUMBERED_CLASS_ATTRS[c]} if c in _UNNUMBERED_CLASS_ATTRS else a
+        for c, a in zip(classes, class_attrs)
+    )
+    return types_, tuple(kept), hooks, loss_reading, classes, numbered
 
 
 def _program_difference(model: nn.Module, old: tuple, new: tuple, loss: _LossReader | None = None) -> str:
