@@ -1006,25 +1006,31 @@ def test_class_attributes_nested_code_and_wrapped_losses_are_part_of_the_program
 def test_dynamos_patch_of_module_init_does_not_trace_again(monkeypatch):
     # The first torch.compile in a process wraps nn.Module.__init__ and __setstate__ (Dynamo
     # tags modules created later); a user compiling anything after the first step made the step
-    # trace again. Those attributes number no program; any other of nn.Module's still does.
+    # trace again. Dynamo's wrappers are read through to the originals; a user's own patch of
+    # __init__, or another class attribute of nn.Module, still traces again.
+    from opake_compile.compiler.step import _dynamo_unwrapped
+    from torch._dynamo import mutation_guard
+
+    original = _dynamo_unwrapped(dict(vars(nn.Module)))
+    monkeypatch.setattr(nn.Module, "__init__", original["__init__"])  # as before any torch.compile
+    monkeypatch.setattr(nn.Module, "__setstate__", original["__setstate__"])
+    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", True, raising=False)
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     step = compile_dp(_smoothed_loss, model=nn.Linear(4, 3), clipping_norm=0.5, backend=None)
     first = step(x, y)
-    init, setstate = nn.Module.__init__, nn.Module.__setstate__
+    mutation_guard.install_generation_tagging_init()  # what the first torch.compile does
+    assert nn.Module.__init__ is not original["__init__"]
+    assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 1
+    assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 1
+    init = nn.Module.__init__
 
-    def tagged_init(self, *args, **kwargs):
+    def own_init(self, *args, **kwargs):  # a user's patch: a new program
         init(self, *args, **kwargs)
 
-    def tagged_setstate(self, state):
-        setstate(self, state)
-
-    monkeypatch.setattr(nn.Module, "__init__", tagged_init)
-    monkeypatch.setattr(nn.Module, "__setstate__", tagged_setstate)
-    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", False, raising=False)
-    assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 1
-    assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 1
-    monkeypatch.setattr(nn.Module, "opake_test_flag", 1, raising=False)  # any other class attribute
+    monkeypatch.setattr(nn.Module, "__init__", own_init)
     assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 2
+    monkeypatch.setattr(nn.Module, "opake_test_flag", 1, raising=False)  # any other class attribute
+    assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 3
 
 
 def test_a_hook_registered_and_removed_around_each_step_traces_once():

@@ -1357,13 +1357,31 @@ _UNNUMBERED = frozenset(
      "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
     | {flag for flags in _HOOK_DICTS.values() for flag in flags}
 )
-# Class attributes that number no program (_program_key): what Dynamo patches on nn.Module
-# the first time anything in the process is compiled with torch.compile
-# (torch._dynamo.mutation_guard.install_generation_tagging_init wraps __init__ and
-# __setstate__ to tag modules created later). No forward runs them; counted, a user's own
-# torch.compile anywhere after the first step made the step trace again (seconds at GPT-2
-# width).
-_UNNUMBERED_CLASS_ATTRS = {_torch_module.Module: frozenset({"__init__", "__setstate__", "___needs_generation_tag_patch"})}
+# What the first torch.compile of a process patches on nn.Module
+# (torch._dynamo.mutation_guard.install_generation_tagging_init): __init__ and __setstate__
+# wrapped by functions that call the originals (held in their closures) and tag the module
+# for Dynamo, and a flag. Read through to the originals by _program_key, so that a user's
+# torch.compile anywhere after the first step does not make the step trace again (seconds at
+# GPT-2 width); a patch of either by anything else still numbers a new program.
+_DYNAMO_WRAPPERS = {"__init__": ("patched_init", "init"), "__setstate__": ("patched_setstate", "setstate")}
+_DYNAMO_FLAG = "___needs_generation_tag_patch"
+
+
+def _dynamo_unwrapped(attrs: dict[str, Any]) -> dict[str, Any]:
+    """nn.Module's class attributes with Dynamo's wrappers read through (see above)."""
+    out = dict(attrs)
+    out.pop(_DYNAMO_FLAG, None)
+    for name, (code_name, cell) in _DYNAMO_WRAPPERS.items():
+        fn = out.get(name)
+        code = getattr(fn, "__code__", None)
+        if (
+            code is not None
+            and getattr(fn, "__module__", None) == "torch._dynamo.mutation_guard"
+            and code.co_name == code_name
+            and code.co_freevars == (cell,)
+        ):
+            out[name] = fn.__closure__[0].cell_contents
+    return out
 # The most programs (_program) one step traces under before each further one warns.
 MAX_MODEL_PROGRAMS = 8
 _NO_VALUE = object()  # an empty closure cell, a global not (yet) defined, an attribute absent
@@ -1553,10 +1571,7 @@ def _program_key(program: tuple, written: frozenset[tuple[int, str]] = frozenset
         kept.append(k)
     g = global_hooks
     hooks = (_hooks_key(g[0]), _hooks_key(g[1], g[2], g[3]), _hooks_key(g[4]), _hooks_key(g[5]), g[6])
-    numbered = tuple(
-        {n: v for n, v in a.items() if n not in _UNNUMBERED_CLASS_ATTRS[c]} if c in _UNNUMBERED_CLASS_ATTRS else a
-        for c, a in zip(classes, class_attrs)
-    )
+    numbered = tuple(_dynamo_unwrapped(a) if c is _torch_module.Module else a for c, a in zip(classes, class_attrs))
     return types_, tuple(kept), hooks, loss_reading, classes, numbered
 
 
