@@ -1007,7 +1007,8 @@ def test_dynamos_patch_of_module_init_does_not_trace_again(monkeypatch):
     # The first torch.compile in a process wraps nn.Module.__init__ and __setstate__ (Dynamo
     # tags modules created later); a user compiling anything after the first step made the step
     # trace again. Dynamo's wrappers are read through to the originals; a user's own patch of
-    # __init__, or another class attribute of nn.Module, still traces again.
+    # __init__ (even one named and placed like Dynamo's), or another class attribute of
+    # nn.Module, still traces again.
     from opake_compile.compiler.step import _dynamo_unwrapped
     from torch._dynamo import mutation_guard
 
@@ -1024,10 +1025,11 @@ def test_dynamos_patch_of_module_init_does_not_trace_again(monkeypatch):
     assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 1
     init = nn.Module.__init__
 
-    def own_init(self, *args, **kwargs):  # a user's patch: a new program
+    def patched_init(self, *args, **kwargs):  # a look-alike of Dynamo's wrapper: a new program
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(nn.Module, "__init__", own_init)
+    patched_init.__module__ = "torch._dynamo.mutation_guard"
+    monkeypatch.setattr(nn.Module, "__init__", patched_init)
     assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 2
     monkeypatch.setattr(nn.Module, "opake_test_flag", 1, raising=False)  # any other class attribute
     assert torch.equal(step(x, y).loss, first.loss) and step.num_traces == 3

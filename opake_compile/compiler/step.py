@@ -41,6 +41,7 @@ import inspect
 import itertools
 import math
 import operator
+import sys
 import types
 import warnings
 from collections import OrderedDict
@@ -1368,18 +1369,18 @@ _DYNAMO_FLAG = "___needs_generation_tag_patch"
 
 
 def _dynamo_unwrapped(attrs: dict[str, Any]) -> dict[str, Any]:
-    """nn.Module's class attributes with Dynamo's wrappers read through (see above)."""
+    """nn.Module's class attributes with Dynamo's wrappers read through (see above): a
+    function is taken for Dynamo's wrapper only if its code object is one of those nested in
+    ``install_generation_tagging_init`` (a look-alike of the same names still counts)."""
     out = dict(attrs)
     out.pop(_DYNAMO_FLAG, None)
+    guard = sys.modules.get("torch._dynamo.mutation_guard")  # (loaded by whatever wrapped them)
+    install = getattr(guard, "install_generation_tagging_init", None)
+    nested = getattr(getattr(install, "__code__", None), "co_consts", ())
     for name, (code_name, cell) in _DYNAMO_WRAPPERS.items():
         fn = out.get(name)
         code = getattr(fn, "__code__", None)
-        if (
-            code is not None
-            and getattr(fn, "__module__", None) == "torch._dynamo.mutation_guard"
-            and code.co_name == code_name
-            and code.co_freevars == (cell,)
-        ):
+        if code is not None and any(code is c for c in nested) and code.co_name == code_name and code.co_freevars == (cell,):
             out[name] = fn.__closure__[0].cell_contents
     return out
 # The most programs (_program) one step traces under before each further one warns.
