@@ -1368,6 +1368,11 @@ _DYNAMO_WRAPPERS = {"__init__": ("patched_init", "init"), "__setstate__": ("patc
 _DYNAMO_FLAG = "___needs_generation_tag_patch"
 
 
+# The most programs (_program) one step traces under before each further one warns.
+MAX_MODEL_PROGRAMS = 8
+_NO_VALUE = object()  # an empty closure cell, a global not (yet) defined, an attribute absent
+
+
 def _dynamo_unwrapped(attrs: dict[str, Any]) -> dict[str, Any]:
     """nn.Module's class attributes with Dynamo's wrappers read through (see above): a
     function is taken for Dynamo's wrapper only if its code object is one of those nested in
@@ -1383,9 +1388,6 @@ def _dynamo_unwrapped(attrs: dict[str, Any]) -> dict[str, Any]:
         if code is not None and any(code is c for c in nested) and code.co_name == code_name and code.co_freevars == (cell,):
             out[name] = fn.__closure__[0].cell_contents
     return out
-# The most programs (_program) one step traces under before each further one warns.
-MAX_MODEL_PROGRAMS = 8
-_NO_VALUE = object()  # an empty closure cell, a global not (yet) defined, an attribute absent
 
 
 class _LossReader:
