@@ -98,6 +98,19 @@ class TiedHead(nn.Module):
         return F.linear(self.norm(self.tok(ids)) * self.scale, self.tok.weight)
 
 
+def as_before_any_torch_compile(monkeypatch: Any) -> dict[str, Any]:
+    """Puts nn.Module back as it was before the process's first ``torch.compile`` (which wraps
+    ``__init__`` and ``__setstate__`` and sets a flag; restored by ``monkeypatch``). Returns
+    nn.Module's class attributes with the wrappers read through."""
+    from opake_compile.compiler.step import _dynamo_unwrapped
+
+    original = _dynamo_unwrapped(dict(vars(nn.Module)))
+    monkeypatch.setattr(nn.Module, "__init__", original["__init__"])
+    monkeypatch.setattr(nn.Module, "__setstate__", original["__setstate__"])
+    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", True, raising=False)
+    return original
+
+
 def next_token_loss(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of each position's logits against the next id."""
     logits = m(ids)[:, :-1]

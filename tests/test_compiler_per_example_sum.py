@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from _models import bookkeeping_reference
+from _models import as_before_any_torch_compile, bookkeeping_reference
 
 from opake_compile import compile_dp
 from opake_compile.compiler.passes.rewrites import GhostClipping
@@ -635,12 +635,7 @@ def test_a_step_that_compiles_the_fused_add_traces_once(monkeypatch):
     # the compiled add through this file's fused_add_at_every_size: floor 0.)
     from torch._C._dynamo.eval_frame import reset_code
 
-    from opake_compile.compiler.step import _dynamo_unwrapped
-
-    original = _dynamo_unwrapped(dict(vars(nn.Module)))
-    monkeypatch.setattr(nn.Module, "__init__", original["__init__"])
-    monkeypatch.setattr(nn.Module, "__setstate__", original["__setstate__"])
-    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", True, raising=False)
+    original = as_before_any_torch_compile(monkeypatch)
     monkeypatch.setattr(_kernels, "_AXPY", None)
     model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 3))
     loss = lambda m, x, y: nn.functional.cross_entropy(m(x).mean(1), y)

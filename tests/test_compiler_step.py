@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import opake_compile as opake
 from _models import (
+    as_before_any_torch_compile,
     assert_trees_close,
     conv1d_case,
     conv2d_case,
@@ -1009,13 +1010,9 @@ def test_dynamos_patch_of_module_init_does_not_trace_again(monkeypatch):
     # trace again. Dynamo's wrappers are read through to the originals; a user's own patch of
     # __init__ (even one named and placed like Dynamo's), or another class attribute of
     # nn.Module, still traces again.
-    from opake_compile.compiler.step import _dynamo_unwrapped
     from torch._dynamo import mutation_guard
 
-    original = _dynamo_unwrapped(dict(vars(nn.Module)))
-    monkeypatch.setattr(nn.Module, "__init__", original["__init__"])  # as before any torch.compile
-    monkeypatch.setattr(nn.Module, "__setstate__", original["__setstate__"])
-    monkeypatch.setattr(nn.Module, "___needs_generation_tag_patch", True, raising=False)
+    original = as_before_any_torch_compile(monkeypatch)
     x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
     step = compile_dp(_smoothed_loss, model=nn.Linear(4, 3), clipping_norm=0.5, backend=None)
     first = step(x, y)
