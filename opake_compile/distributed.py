@@ -419,7 +419,7 @@ def _sum_clipped(clipped: Any, reduce: Any, name: str, *, in_place: bool) -> Cli
             "(float64)."
         )
     reduced = reduce(grads)
-    mark_ranks(reduced, get_world_size())  # (the library's own relabelling: refused otherwise)
+    mark_ranks(reduced, get_world_size(), int(counts[0]))  # (the library's own relabelling: refused otherwise)
     out = dataclasses.replace(
         clipped,
         grads=reduced,

@@ -733,6 +733,16 @@ def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():
         dataclasses.replace(ada, releases=())
     with pytest.raises(ConfigurationError, match="drop some of"):
         dataclasses.replace(ada, receipts=())
+    # The count is what the draw-size check reads (a newcomer's review: a sum of two draws
+    # relabelled with one draw's count was charged as one step).
+    with pytest.raises(ConfigurationError, match="num_examples=1, not the 2 the sums hold"):
+        dataclasses.replace(got, num_examples=1)
+    with pytest.raises(ConfigurationError, match="num_examples=3, not the 2"):
+        dataclasses.replace(got, num_examples=3)
+    # One entry swapped for a new tensor beside the library's own (the same edit made in the
+    # dict is refused at the release; review): refused when the result is built.
+    with pytest.raises(ConfigurationError, match=r"mixes sums the library made \('b'\) with 1 new tensor"):
+        dataclasses.replace(two, grads={"b": two.grads["b"], "w": two.grads["w"] * 100})
     # Fresh tensors are a new sum: the check is about the tensors a result was built around.
     fresh = ClippedPytree(grads={"w": got.grads["w"].clone()}, clipping_norm=0.5,
                           per_example_norms=got.per_example_norms, num_examples=2)

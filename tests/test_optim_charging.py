@@ -516,6 +516,23 @@ def test_a_fixed_batch_beside_a_pending_draw_is_refused_when_it_is_larger():
     assert opt.steps == 1
 
 
+def test_a_count_lowered_by_replace_cannot_pass_the_draw_size_check():
+    # A newcomer's review: dataclasses.replace(sum_of_two_draws, num_examples=len(draw)) was
+    # accepted, one noise draw then covering two draws' rows (an example in both moves the sum
+    # by 2C). The count is now one of the fields the sums were made with.
+    import dataclasses
+
+    params, sampler, opt, x, y = _setup()
+    idx = next(iter(sampler))
+    assert 0 < len(idx) < 50
+    whole = _clipped_sum(params, x, y)
+    before = _state(params, opt)
+    with pytest.raises(ConfigurationError, match=rf"num_examples={len(idx)}, not the 50 the sums hold"):
+        opt.step(dataclasses.replace(whole, num_examples=len(idx)), draw=idx)
+    _same(before, _state(params, opt))
+    assert dataclasses.replace(whole, num_examples=50).num_examples == 50  # the same count: allowed
+
+
 # ---------------------------------------------------------------- one release per sample (review)
 # A review found second releases of one Poisson sample charged as fresh Poisson steps: the same
 # clipped sum stepped on twice (a retry, or a step without draw= after one with it), a position

@@ -298,24 +298,38 @@ class ClippedPytree(DPOutput):
         # alone (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping
         # a release, a receipt or the draw would leave something made from the sample
         # uncharged. Releases may only be added.
-        fresh = []
-        for t in _tensors(self.grads):
+        fresh, made = [], []
+        for name, t in _named_tensors(self.grads):
             held = t.__dict__.get(_MADE)
             if held is None:
                 fresh.append(t)
-            elif held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw, self.num_ranks):
+                continue
+            made.append(name)
+            if held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw, self.num_ranks, self.num_examples):
                 self._check_made_with(held)  # (the same fields pass without the detailed test)
+        if fresh and made:
+            # A sum that is partly the library's and partly new tensors (a replace that swaps
+            # one entry): the new entries would be released with noise calibrated to the
+            # library's clipping, and the rest carries its marks. A sum wholly of new tensors is
+            # the caller's own, taken at its word (the eager API's contract).
+            raise ConfigurationError(
+                f"This ClippedPytree mixes sums the library made ({', '.join(map(repr, made[:3]))}"
+                f"{', ...' if len(made) > 3 else ''}) with {len(fresh)} new tensor(s): the noise is "
+                "calibrated to the sums the library made. Compute a new clipped sum; to transform the "
+                "update, wrap the optimizer or edit the parameters after the step."
+            )
         # The sum tensors themselves, so that an entry of ``grads`` swapped later (the dict stays
         # mutable) is seen by check_unchanged.
         object.__setattr__(self, _SUMS, tuple(_tensors(self.grads)))
         if fresh:
-            made = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw, self.num_ranks)
+            marks = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw,
+                     self.num_ranks, self.num_examples)
             for t in fresh:
-                t.__dict__[_MADE] = made
+                t.__dict__[_MADE] = marks
                 t.__dict__[_SEALED] = _version(t)
 
     def _check_made_with(self, held: tuple) -> None:
-        c0, nb0, rel0, rec0, draw0, ranks0 = held
+        c0, nb0, rel0, rec0, draw0, ranks0, n0 = held
         c, nb = self.clipping_norm, self.normalize_by
         problem = None
         if _is_number(c) and _is_number(c0) and c < c0:
@@ -332,6 +346,10 @@ class ClippedPytree(DPOutput):
             # then differ by their local sums, without noise.
             problem = (f"num_ranks={self.num_ranks!r}, not the {ranks0!r} the sums were made by "
                        "(opake_compile.distributed.sum_gradients sets it)")
+        elif self.num_examples != n0:
+            # The draw-size check (a sum of more examples than its draw holds is refused) reads
+            # it: a lowered count let a sum of two draws be charged as one (a newcomer's review).
+            problem = f"num_examples={self.num_examples!r}, not the {n0!r} the sums hold"
         if problem is not None:
             raise ConfigurationError(
                 f"This ClippedPytree is built around sums made earlier, with {problem}: the noise "
@@ -344,7 +362,8 @@ class ClippedPytree(DPOutput):
         return self.num_examples
 
 
-# The attribute each sum tensor carries: (clipping_norm, normalize_by, releases, receipts, draw, num_ranks)
+# The attribute each sum tensor carries: (clipping_norm, normalize_by, releases, receipts, draw, num_ranks,
+# num_examples)
 # of the first ClippedPytree built around it (see ClippedPytree.__post_init__). On the tensor,
 # so that it lives exactly as long as the sum; a clone is a new sum.
 _MADE = "_opake_made_with"
@@ -360,18 +379,19 @@ def lock_releases(clipped: ClippedPytree) -> None:
     clipping's count; a caller's own additions stay optional, so that a refused attempt can be
     retried)."""
     for t in _tensors(clipped.grads):
-        c0, nb0, _, _, draw0, ranks0 = t.__dict__[_MADE]
-        t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0, ranks0)
+        c0, nb0, _, _, draw0, ranks0, n0 = t.__dict__[_MADE]
+        t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0, ranks0, n0)
 
 
-def mark_ranks(grads: Any, num_ranks: int) -> None:
-    """Record that the sum tensors of ``grads`` hold the sum of ``num_ranks`` processes (the
-    library's own cross-rank reduction, ``sum_gradients``; a ``dataclasses.replace`` that
-    changes ``num_ranks`` is refused otherwise)."""
+def mark_ranks(grads: Any, num_ranks: int, num_examples: int) -> None:
+    """Record that the sum tensors of ``grads`` hold the sum of ``num_ranks`` processes over
+    ``num_examples`` examples (the library's own cross-rank reduction, ``sum_gradients``; a
+    ``dataclasses.replace`` that changes ``num_ranks`` or ``num_examples`` is refused
+    otherwise)."""
     for t in _tensors(grads):
         held = t.__dict__.get(_MADE)
         if held is not None:
-            t.__dict__[_MADE] = held[:5] + (num_ranks,)
+            t.__dict__[_MADE] = held[:5] + (num_ranks, num_examples)
 
 
 def _named_tensors(grads: Any) -> list[tuple[Any, torch.Tensor]]:
