@@ -747,6 +747,11 @@ class DPOptimizer:
                 "needs exactly one step per draw, in order (the participation pattern it is accounted "
                 "for would break). Step on every draw." + _MF_RECOVERY
             )
+        # The strategy's own length first: a budget's step limit is capped by it, and running past
+        # it is a configuration to change, not a budget spent (a newcomer's review).
+        check_step = getattr(self._noise_fn, "check_step", None)
+        if check_step is not None:
+            check_step(self._noise_state.step)
         if self.budget is not None and self._steps + 1 > self.max_steps():
             raise PrivacyBudgetExhaustedError(
                 f"Step {self.steps + 1} would exceed the privacy budget {self.budget}: it allows "
@@ -989,7 +994,9 @@ class DPOptimizer:
             raise CheckpointError(
                 f"This optimizer has charged {self._steps} step(s) and the checkpoint only "
                 f"{int(state['steps'])}: restoring would rewind the accountant and reuse noise. Restore "
-                "into a fresh DPOptimizer (a new run), never into one that has stepped since."
+                "into a fresh DPOptimizer, never into one that has stepped since, and only to replace this run: "
+                "the restored run draws the same noise for its next steps as this one did for its, so "
+                "releasing both (on different data) exposes their difference without noise."
             )
         for field in ("noise_multiplier", "sample_rate", "dataset_size", "truncated_batch_size"):
             if state[field] != getattr(self, field):

@@ -296,6 +296,21 @@ def test_optimizer_with_bandmf_and_cyclic_poisson_charges_amplified_process():
     assert opt.epsilon(1e-5) == pytest.approx((acc.poisson(acc.gaussian(1.5), 0.5) * 2).epsilon_at(1e-5, accountant=FAST), rel=1e-9)
 
 
+def test_a_step_past_the_strategy_is_a_configuration_error_with_or_without_a_budget():
+    # A newcomer's review: with a budget, the step past the strategy's n was reported as an
+    # exhausted budget (epsilon 2.35 of 50 spent); without one, as a configuration error
+    # numbered one lower. Both now name the strategy, counting steps from 1, and change nothing.
+    for budget in (acc.epsilon_budget(50.0, 1e-5), None):
+        sampler = SequentialBatchSampler(40, 10, key=opake.random.key(1))
+        param, opt = _opt_with(dpftrl.mf_gaussian_noise(dpftrl.band_mf_strategy(8, 2), 2.0, opake.random.key(2)),
+                               sampler, budget=budget)
+        _run(opt, param, sampler, 8)
+        before, eps = param.detach().clone(), opt.epsilon(1e-5)
+        with pytest.raises(ConfigurationError, match=r"Step 9 is past the 8 steps the strategy"):
+            _run(opt, param, sampler, 1)
+        assert torch.equal(param.detach(), before) and opt.steps == 8 and opt.epsilon(1e-5) == eps
+
+
 def test_optimizer_refuses_combinations_without_accounting():
     key = opake.random.key
     cyc = CyclicPoissonSampler(80, 0.5, bands=4, key=key(1), steps=8)

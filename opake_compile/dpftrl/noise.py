@@ -123,6 +123,18 @@ class MFGaussianNoise:
     def __repr__(self) -> str:
         return f"mf_gaussian_noise({self.strategy!r}, noise_multiplier={self.noise_multiplier!r})"
 
+    def check_step(self, step: int) -> None:
+        """Refuse the 0-based ``step`` if it is past the steps the strategy was built for.
+
+        Raises:
+            ConfigurationError: ``step >= strategy.n`` (the message counts steps from 1).
+        """
+        if step >= self.strategy.n:
+            raise ConfigurationError(
+                f"Step {step + 1} is past the {self.strategy.n} steps the strategy {self.strategy!r} was "
+                "built (and accounted) for; build it for more steps."
+            )
+
     # ------------------------------------------------------------------ the filter
     def correlated(self, zs: list[torch.Tensor], state: MFNoiseState) -> tuple[list[torch.Tensor], Any, tuple]:
         """``(M^-1 Z)[t]`` per leaf from this step's draws ``zs``; new buffers and replay keys."""
@@ -184,11 +196,7 @@ class MFGaussianNoise:
         sigma = self.noise_multiplier
         if math.isinf(c) and sigma > 0:
             raise ConfigurationError("Cannot add noise calibrated to clipping_norm=inf; clip with a finite C.")
-        if state.step >= self.strategy.n:
-            raise ConfigurationError(
-                f"Step {state.step} is past the {self.strategy.n} steps the strategy {self.strategy!r} was "
-                "built (and accounted) for; build it for more steps."
-            )
+        self.check_step(state.step)
         check_release(clipped)  # one release per sum, whichever function makes it
         std = sigma * c if sigma > 0 else 0.0
         next_key, draw_key = _random.split(state.key, 2)
