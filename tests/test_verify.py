@@ -100,13 +100,34 @@ def test_detects_a_subtle_mismatch_within_sensitivity(monkeypatch):
 
     def nudged(*a, **kw):
         out = run(*a, **kw)
-        grads = dict(out.clipped.grads)
-        grads["0.bias"] = grads["0.bias"] + 1e-6
+        # (all new tensors: a result mixing new ones with the library's sums is refused)
+        grads = {k: g + 1e-6 if k == "0.bias" else g.clone() for k, g in out.clipped.grads.items()}
         return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
 
     monkeypatch.setattr(step, "_run", nudged)
     report = verify(step, *case.make_batch(5, 0))
     assert report.sensitivity_ok and not report.matches_reference and not report.ok
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_verifies_and_a_nudge_of_its_precision_is_caught(dtype, monkeypatch):
+    # A newcomer's review: bfloat16 and float16 models were reported as MISMATCH (9.8e-4
+    # against float32's 1.2e-5), both paths rounding in the model's dtype in different orders.
+    case = mlp_case(seed=3, dtype=dtype)
+    args = case.make_batch(6, 0)
+    step = _step(case, 1.0)
+    report = verify(step, *args, max_removals=3)
+    assert report.ok, str(report)
+    assert report.tolerance <= 16 * torch.finfo(dtype).eps * 6  # (16 eps of the model's dtype, |sum| <= n C)
+    run = step._run
+
+    def nudged(*a, **kw):
+        out = run(*a, **kw)
+        grads = {k: g + 2.0 if k == "0.bias" else g.clone() for k, g in out.clipped.grads.items()}
+        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
+
+    monkeypatch.setattr(step, "_run", nudged)
+    assert not verify(step, *args, max_removals=1).matches_reference
 
 
 def test_refuses_randomness_and_wrong_types():
