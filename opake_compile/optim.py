@@ -337,11 +337,19 @@ class DPOptimizer:
             self._plan = self._noise_fn.accounting_plan(sampler)  # refuses with the reason
         if noise_multiplier is None or key is None:
             missing = " and ".join(n for n, v in (("noise_multiplier=", noise_multiplier), ("key=", key)) if v is None)
-            raise InputTypeError(
-                f"DPOptimizer needs {missing} (or noise=...). The key draws the noise: a fresh secret one is "
-                "opake_compile.random.random_key() (OS entropy); save it with the checkpoint, and never "
-                "publish it (whoever holds it can subtract the noise)."
-            )
+            what = []
+            if noise_multiplier is None:
+                what.append(
+                    "The noise multiplier sigma sets the noise's standard deviation, sigma * clipping_norm; "
+                    "opake_compile.accounting.calibrate finds the sigma that spends a target epsilon."
+                )
+            if key is None:
+                what.append(
+                    "The key draws the noise: a fresh secret one is opake_compile.random.random_key() (OS "
+                    "entropy); save it with the checkpoint, and never publish it (whoever holds it can "
+                    "subtract the noise)."
+                )
+            raise InputTypeError(f"DPOptimizer needs {missing} (or noise=...). " + " ".join(what))
         self._noise_multiplier = check_noise_multiplier(noise_multiplier)
         if self._plan is None and not getattr(sampler, "is_poisson", False):
             raise ConfigurationError(

@@ -349,6 +349,14 @@ def test_constructor_refusals():
         DPOptimizer(sgd, noise_multiplier=1.0, sampler=_sampler(), key=0)
     with pytest.raises(InputTypeError):
         DPOptimizer("sgd", noise_multiplier=1.0, sampler=_sampler(), key=opake.random.key(0))
+    # What is missing is what the message explains (a newcomer's review: a missing noise
+    # multiplier was answered with an explanation of the key).
+    with pytest.raises(InputTypeError, match=r"needs noise_multiplier= \(or noise=\.\.\.\)\. The noise multiplier") as err:
+        DPOptimizer(sgd, sampler=_sampler(), key=opake.random.key(0))
+    assert "random_key" not in str(err.value)
+    with pytest.raises(InputTypeError, match=r"needs key= \(or noise=\.\.\.\)\. The key draws the noise") as err:
+        DPOptimizer(sgd, noise_multiplier=1.0, sampler=_sampler())
+    assert "calibrate" not in str(err.value)
     with pytest.warns(NotPrivateWarning):
         DPOptimizer(sgd, noise_multiplier=0.0, sampler=_sampler(), key=opake.random.key(0))
     opt = _dp(sgd, sampler=_sampler(n=100, q=0.1, trunc=20))
