@@ -98,10 +98,11 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         step: a :class:`DPStep` from ``compile_dp``.
         *args: one batch, as passed to ``step``.
         max_removals: how many examples to remove one at a time.
-        rtol: relative tolerance, scaled by the sum's magnitude; default ``100 * eps`` of the
+        rtol: relative tolerance, scaled by the larger of the sum's largest entry and C (1 and
+            the largest entry without clipping); default ``100 * eps`` of the
             reference's gradient dtype, or ``16 * eps`` of the trainable parameters' dtype where
-            that is larger (bfloat16 and float16 models round in both paths) for the comparison;
-            the sensitivity test keeps the former.
+            that is larger (bfloat16 and float16 models round in both paths), for the
+            comparison; the sensitivity test allows C times ``1 + rtol`` (default the former).
 
     Raises:
         InputTypeError: ``step`` is not a ``DPStep``.
@@ -142,14 +143,17 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     dtype = next(iter(ref.grads.values())).dtype
     eps = torch.finfo(dtype).eps
     c = step.clipping_norm
-    magnitude = max(1.0, scale, 0.0 if math.isinf(c) else c)
+    # Relative to the sum's own size (or C, where it is smaller): a floor of 1 made the
+    # tolerance 10^16 C at C = 2^-70, and a sum 200x too small passed as a match (a hostile
+    # review). Without clipping (C = inf), at least 1.
+    magnitude = max(1.0, scale) if math.isinf(c) else max(scale, c)
     # The comparison with the reference allows for the model's own precision too: a bfloat16
     # model's gradients round at 2^-8 in both paths, in different orders, and were reported as
     # a mismatch against float32's tolerance (a newcomer's review). The sensitivity test keeps
     # the sum dtype's tolerance: the contract bounds the released sum whatever the model's dtype.
     model_eps = max([0.0] + [torch.finfo(p.dtype).eps for p in trainable.values() if p.is_floating_point()])
     tol = (rtol if rtol is not None else max(100 * eps, 16 * model_eps)) * magnitude
-    sens_tol = (rtol if rtol is not None else 100 * eps) * magnitude
+    sens_rtol = rtol if rtol is not None else 100 * eps  # (relative to C)
     got_n = result.clipped.per_example_norms.double()
     ref_n = ref.per_example_norms.double().reshape(got_n.shape)
     usable = torch.isfinite(ref_n) & torch.isfinite(got_n) & (ref_n > 0)
@@ -168,7 +172,7 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         tolerance=tol,
         matches_reference=diff <= tol,
         max_removal_change=worst,
-        sensitivity_ok=worst <= c * (1 + sens_tol) if not math.isinf(c) else True,
+        sensitivity_ok=worst <= c * (1 + sens_rtol) if not math.isinf(c) else True,
         examples_removed=removals,
         coverage=dict(result.coverage),
         norm_overestimate=over,

@@ -92,6 +92,26 @@ def test_detects_a_scaled_result(monkeypatch):
     assert report.max_removal_change == pytest.approx(1.5 * effective_clipping_norm(0.1, torch.float32), rel=1e-4)
 
 
+@pytest.mark.parametrize("c", [2.0**-70, 1e-3])
+def test_a_sum_scaled_down_is_caught_at_any_clipping_norm(c, monkeypatch):
+    # A hostile review: the tolerance had an absolute floor of 1, so at C = 2^-70 a released
+    # sum 200x too small was reported as matching the reference.
+    case = mlp_case(seed=6, dtype=torch.float32)
+    args = case.make_batch(5, 0)
+    step = _step(case, c)
+    assert verify(step, *args, max_removals=2).ok
+    run = step._run
+
+    def shrunk(*a, **kw):
+        out = run(*a, **kw)
+        grads = {k: g / 200 for k, g in out.clipped.grads.items()}
+        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
+
+    monkeypatch.setattr(step, "_run", shrunk)
+    report = verify(step, *args, max_removals=2)
+    assert not report.matches_reference and report.sensitivity_ok
+
+
 def test_detects_a_subtle_mismatch_within_sensitivity(monkeypatch):
     """A small error that keeps the sensitivity bound is still caught by the comparison."""
     case = mlp_case(seed=5, dtype=torch.float64)
