@@ -610,7 +610,11 @@ class DPStep:
         )
 
     def describe(self) -> str:
-        """Which path each trainable parameter took, and what each pass did, as text."""
+        """Which path each trainable parameter took, and what each pass did, as text.
+
+        **Not privatised** where batch sizes vary: the physical sizes it lists (and the step's
+        ``repr``) follow the realised sizes of Poisson batches; keep it out of what you publish.
+        """
         lines = [
             f"DPStep(clipping_norm={self.clipping_norm}, physical_batch_size={self.physical_batch_size}, "
             f"physical_sizes={list(self.physical_sizes)}, backend={self.backend!r})"
@@ -640,7 +644,7 @@ class DPStep:
         return "\n".join(lines)
 
     def explain(self, *, file: Any = None) -> None:
-        """Print :meth:`describe` (to ``file``, default stdout)."""
+        """Print :meth:`describe` (to ``file``, default stdout); not privatised, as it is."""
         print(self.describe(), file=file)
 
     @property
