@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _models import embedding_case, lora_case, mlp_case, conv2d_case, seeded
 from opake_compile.compiler.trace import InputLayout, check_model_supported, trace_per_example_grads
 from opake_compile import compile_dp
-from opake_compile.exceptions import InputTypeError, UnsupportedOperationError
+from opake_compile.exceptions import ConfigurationError, InputTypeError, UnsupportedOperationError
 
 
 def _trace(case, args, p):
@@ -612,8 +612,14 @@ def test_a_shape_or_dtype_error_points_at_the_arguments(capfd):
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     step = compile_dp(lambda m, x, y: F.cross_entropy(m(x), y), model=m, clipping_norm=1.0, backend="aot_eager")
     for args in ((y, x), (x, y.float()), (x, y[:, None])):  # ((B, 1) labels: "target tensor")
-        with pytest.raises(UnsupportedOperationError, match="A shape or dtype mismatch: check the order"):
+        with pytest.raises(ConfigurationError, match="A shape or dtype mismatch: check the order"):
             step(*args)
+    # A batch of integers or of another float dtype than the model (a newcomer's review: they
+    # raised UnsupportedOperationError, a float64 batch ConfigurationError), naming the dtypes.
+    with pytest.raises(ConfigurationError, match=r"batch's tensors are torch.int64, the trainable parameters torch.float32"):
+        step(x.long(), y)
+    with pytest.raises(ConfigurationError, match=r"batch's tensors are torch.float16, torch.int64, the trainable parameters torch.float32"):
+        step(x.half(), y)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
     assert step.num_calls == 0 and math.isfinite(float(step(x, y).loss))
 
