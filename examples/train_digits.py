@@ -535,7 +535,7 @@ def train_private(config: Config, data: Data) -> dict[str, Any]:
             "a larger delta allows releasing a few examples outright."
         )
     if config.batch_size > n:
-        raise ConfigurationError(f"Expected batch_size={config.batch_size} <= N = {n} training examples.")
+        raise ConfigurationError(f"Expected batch_size={config.batch_size} <= N = {n} training examples: pass a smaller --batch-size (the expected Poisson batch size).")
     q = config.batch_size / n
     steps_per_epoch = max(1, round(n / config.batch_size))
     strategy = None

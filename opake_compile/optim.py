@@ -925,7 +925,13 @@ class DPOptimizer:
             ref = clipped.parameters.get(name)
             p = None if ref is None else by_view.get(_view_key(ref))
             if p is None:
-                raise ConfigurationError(f"Parameter {name!r} of the clipped gradients is not in the wrapped optimizer.")
+                raise ConfigurationError(
+                    f"Parameter {name!r} of the clipped gradients is not in the wrapped optimizer. Every "
+                    "trainable parameter (requires_grad=True) is clipped and released: freeze the ones "
+                    "you do not train (p.requires_grad_(False)) before the step, or give them to the "
+                    "optimizer (a layer added or replaced since: "
+                    "dp_optimizer.optimizer.add_param_group({'params': [...]}))."
+                )
             if tuple(g.shape) != tuple(p.shape):
                 raise ConfigurationError(
                     f"Gradient of {name!r} has shape {tuple(g.shape)}, the parameter {tuple(p.shape)}."
