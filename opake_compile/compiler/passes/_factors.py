@@ -1143,10 +1143,9 @@ def per_example_sum_ok(factors: list[Factor], acc: torch.dtype, bookkeeping: str
 
 def emit_per_example_bound(
     em: Emitter, factors: list[Factor], sq: fx.Node, mass_sq: fx.Node, acc: torch.dtype, bookkeeping: str
-) -> tuple[fx.Node, fx.Node]:
-    """The squared norm bound ``sq`` of a block and its squared mass ``mass_sq``, both the
-    raised bound where its sum is formed example by example (:func:`per_example_sum_ok`);
-    unchanged otherwise.
+) -> fx.Node:
+    """The squared norm bound ``sq`` of a block, raised where its sum is formed example by
+    example (:func:`per_example_sum_ok`) to bound what that sum adds; unchanged otherwise.
 
     Example i's float32 product is within ``e_i = gamma_K S_i + K sqrt(R C) 2^-149`` of its
     exact gradient ``G_i`` (Higham 2002, Thm 3.5, any order of additions; the second term for
@@ -1157,25 +1156,16 @@ def emit_per_example_bound(
     same example (another batch size, another bucket's graph), and an example sitting at the
     threshold would then add one product or the other depending on the rest of the batch.
 
-    The mass is the raised bound too: what such a block adds to the float64 sum across
-    examples is ``f_i fl32(G_i)``, one term per example, and the rounding of that sum is at most
-    ``gamma_n`` times the norms of those terms (numerics, point 3), not the positions' masses.
-    The mass cap (``S_i / KAPPA``) is therefore not applied to it; applied, it scaled down
-    examples whose positions share a direction that their output gradients cancel (an attention
-    key projection's inputs 5-10x the rest along one direction: 18-36 % over-clipping, a
-    hostile review), by far more than the float32 product's own rounding needs.
-
-    What the raise costs: at most ``gamma_K S_i / nu_i`` of the norm, ``gamma_K KAPPA``
-    (:func:`per_example_sum_ok` keeps that within :data:`FAST_GRAM_OVERCLIP`) up to the mass
-    the cap allows elsewhere, and always less than the cap's ``S_i / KAPPA`` would take
-    (``gamma_K < 1 / KAPPA``). Ordinary examples (``S ~ sqrt(K) ||G||``) pay
-    ``gamma_K sqrt(K)``: 2.4e-4 at K = 256.
+    What the raise costs: where the mass cap does not bind (``S_i <= KAPPA nu_i``) at most
+    ``gamma_K KAPPA`` of the norm (:func:`per_example_sum_ok` keeps that within
+    :data:`FAST_GRAM_OVERCLIP`); where it binds, the cap sets the clip factor anyway.
+    Ordinary examples (``S ~ sqrt(K) ||G||``) pay ``gamma_K sqrt(K)``: 2.4e-4 at K = 256.
 
     Returns:
-        ``(squared bound, squared mass)``, each (P,) float64.
+        the squared bound, (P,) float64.
     """
     if not per_example_sum_ok(factors, acc, bookkeeping):
-        return sq, mass_sq
+        return sq
     dense = [f for f in factors if not f.onehot]
     k = max(f.k for f in dense)
     r, c = factors[0].rows, factors[0].cols
@@ -1184,8 +1174,7 @@ def emit_per_example_bound(
     # (A one-hot term's mass is in mass_sq too: an over-estimate.) A few float64 operations on
     # non-negative numbers: 1 + 2^-40 covers their rounding.
     raised = em(aten.mul.Tensor, em(aten.add.Tensor, em(aten.sqrt.default, sq), err), 1.0 + 2.0**-40)
-    raised_sq = em(aten.mul.Tensor, em(aten.mul.Tensor, raised, raised), 1.0 + 2.0**-40)
-    return raised_sq, raised_sq
+    return em(aten.mul.Tensor, em(aten.mul.Tensor, raised, raised), 1.0 + 2.0**-40)
 
 
 def emit_clipped_sum(

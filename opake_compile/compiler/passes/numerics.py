@@ -96,19 +96,15 @@ things are needed:
    example instead (``opake::per_example_mm``, :func:`~._factors.per_example_sum_ok`): each
    example's product over its own positions is a float32 product, within ``gamma_K S_i`` of
    the exact one, an error of that example alone, which every example's norm bound includes
-   (:func:`~._factors.emit_per_example_bound`: ``gamma_K S_i``, 2.4e-4 of the norm of an
-   ordinary example at K = 256); the products are then added in float64. It costs about a
-   float32 product where the float64 one over all rows costs twice that. Such a term adds one
-   row per example to the float64 sum, ``f_i fl32(G_i)``, whose size is its raised norm bound:
-   that bound is its mass below (the mass cap does not apply to it; it took 18-36 % off
-   attention key projections whose inputs share one direction, a hostile review).
+   (:func:`~._factors.emit_per_example_bound`: at most ``gamma_K KAPPA`` of the norm, 0.1 % at
+   K = 256); the products are then added in float64. It costs about a float32 product where
+   the float64 one over all rows costs twice that.
    What remains is rounding inside one example (its materialised ``f_i g_i``, entry by entry,
    its own contribution) and the float64 accumulation, whose error is at most ``gamma_n`` (n
    the rows added) times the masses ``f_j S_j`` of *all* examples, not their norms: examples
    whose positions nearly cancel (mass far above norm) would let rounding carry more through
    the sum, so the factor also caps every example's mass at ``KAPPA * C_eff`` (ordinary
-   examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it; a term summed example by
-   example counts with its norm bound, above). Both are absorbed by
+   examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it). Both are absorbed by
    clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
    dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.

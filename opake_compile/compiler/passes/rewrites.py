@@ -549,7 +549,7 @@ def _rewrite_parameter(
             else:
                 b_sq, b_mass = emit_sq_norm(em, block, grams, gram_dtype)
             b_sq, b_mass = merge_groups(em, b_sq, b_mass, block[0].groups)
-            b_sq, b_mass = emit_per_example_bound(em, block, b_sq, b_mass, sum_acc, bookkeeping)
+            b_sq = emit_per_example_bound(em, block, b_sq, b_mass, sum_acc, bookkeeping)
             sqs.append(b_sq)
             masses.append(b_mass)
             sums.append(emit_clipped_sum(em_out, block, kept, factor, clip, sum_acc, bookkeeping, kept_prefix))
