@@ -104,7 +104,16 @@ things are needed:
    the rows added) times the masses ``f_j S_j`` of *all* examples, not their norms: examples
    whose positions nearly cancel (mass far above norm) would let rounding carry more through
    the sum, so the factor also caps every example's mass at ``KAPPA * C_eff`` (ordinary
-   examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it). Both are absorbed by
+   examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it). The cap also bounds what
+   the last bits of an example's factors can swing (they can differ between two evaluations of
+   the example, in another batch size's graph): about ``u S_i`` before the clip factor, at most
+   ``KAPPA u C_eff`` after it. So it applies to blocks summed example by example too: replacing
+   their mass by their norm bound (tried) let an example whose positions cancel swing by
+   0.51 C between a graph of one and a graph of two, and a removal move the sum by 1.51 C (a
+   hostile review; ``test_the_mass_cap_bounds_what_an_examples_last_bits_can_swing``). The
+   price is over-clipping where positions share a direction that the output gradients cancel
+   (an attention key projection whose inputs share one 5-10x the rest: released at 0.64-0.82
+   of a norm below C, measured). Both are absorbed by
    clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
    dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.
