@@ -106,14 +106,21 @@ things are needed:
    the sum, so the factor also caps every example's mass at ``KAPPA * C_eff`` (ordinary
    examples, mass / norm ~ sqrt(T): 11 at T = 128, never reach it). The cap also bounds what
    the last bits of an example's factors can swing (they can differ between two evaluations of
-   the example, in another batch size's graph): about ``u S_i`` before the clip factor, at most
-   ``KAPPA u C_eff`` after it. So it applies to blocks summed example by example too: replacing
+   the example, in another batch size's graph; a float32 product over K positions then rounds
+   across a threshold): up to about ``gamma_K S_i`` before the clip factor, at most
+   ``KAPPA gamma_K C_eff`` after it. So it applies to blocks summed example by example too: replacing
    their mass by their norm bound (tried) let an example whose positions cancel swing by
    0.51 C between a graph of one and a graph of two, and a removal move the sum by 1.51 C (a
    hostile review; ``test_the_mass_cap_bounds_what_an_examples_last_bits_can_swing``). The
    price is over-clipping where positions share a direction that the output gradients cancel
    (an attention key projection whose inputs share one 5-10x the rest: released at 0.64-0.82
-   of a norm below C, measured). Both are absorbed by
+   of a norm below C, measured). **Not covered (a known gap):** many examples swinging
+   together. The model's own products can round with the graph's row count (this CPU's BLAS:
+   row 0 of ``F.linear`` over 10 and 11 rows), default buckets run D and D - i at different
+   row counts, and n crafted copies at a threshold add n swings: 1.0135 C at n = 10 and
+   1.253 C at n = 175 on the ghost and mixed paths, 10.99 C and 175.8 C on the materialised
+   path, which has no cap (a hostile review, stop 53; an expected failure in
+   ``tests/test_compiler_dynamic_batch.py``). One physical size for every chunk measured 0.999. Both are absorbed by
    clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
    dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.
