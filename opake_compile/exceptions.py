@@ -22,6 +22,7 @@ __all__ = [
     "PrivacyBudgetExhaustedError",
     "CheckpointError",
     "UnsupportedOperationError",
+    "SoundnessWarning",
 ]
 
 
@@ -55,3 +56,9 @@ class CheckpointError(OpakeError, ValueError):
 class UnsupportedOperationError(OpakeError, RuntimeError):
     """An operation cannot be made per-example or cannot be traced. The message names the module
     or ATen op responsible. Raised instead of ever returning non-private gradients."""
+
+
+class SoundnessWarning(UserWarning):
+    """A configuration whose privacy guarantee rests on an assumption the library cannot check
+    (README, "The guarantee, in floating point": a known gap). Not an error: the run goes on,
+    and the warning says which setting avoids it."""

@@ -195,3 +195,17 @@ def test_copies_at_a_rounding_threshold_cannot_swing_together_between_bucket_siz
         pytest.skip(f"the buckets anchored at {n + 1} hold {n} rows in the same graph")
     without = step(x[:n], w[:n]).clipped.grads["fc.weight"].double()
     assert float((both - without).norm()) / clip <= 1.0
+
+
+def test_the_default_sizes_warn_of_the_gap_and_an_explicit_size_does_not():
+    import warnings
+
+    from opake_compile.exceptions import SoundnessWarning
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.warns(SoundnessWarning, match=r"physical_batch_size set from public numbers") as record:
+        compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend="aot_eager")
+    assert record[0].filename == __file__  # (points at the caller)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SoundnessWarning)
+        compile_dp(lambda m, x: m(x).sum(), model=model, clipping_norm=1.0, backend="aot_eager", physical_batch_size=8)

@@ -65,7 +65,13 @@ from opake_compile.compiler.passes.memory import split_grouped_weight_grads
 from opake_compile.compiler.passes import numerics as _num
 from opake_compile.compiler.trace import TracedGraph, check_model_supported, trace_per_example_grads
 from opake_compile.dpsgd._types import ClippedPytree
-from opake_compile.exceptions import CheckpointError, ConfigurationError, InputTypeError, UnsupportedOperationError
+from opake_compile.exceptions import (
+    CheckpointError,
+    ConfigurationError,
+    InputTypeError,
+    SoundnessWarning,
+    UnsupportedOperationError,
+)
 
 __all__ = ["DPStep", "DPStepResult", "compile_dp"]
 
@@ -1840,9 +1846,12 @@ def compile_dp(
             warns that the result is not private.
         batch_argnums: positions (in ``step(*args)``) of the batched arguments; ``None``: all.
             Other arguments are broadcast to every example.
-        physical_batch_size: rows per compiled chunk P, for exactly one graph. Default
-            (``None``): buckets on a geometric grid of ratio 1.05 anchored at the first
-            non-empty batch size n0, at most n0 + 3 sqrt(n0) (rounded up to 8) rows per chunk.
+        physical_batch_size: rows per compiled chunk P, for exactly one graph; set it from
+            public numbers (the expected batch size q N). Default (``None``): buckets on a
+            geometric grid of ratio 1.05 anchored at the first non-empty batch size n0, at most
+            n0 + 3 sqrt(n0) (rounded up to 8) rows per chunk; warns
+            :class:`~opake_compile.exceptions.SoundnessWarning` (graphs of different row counts
+            for D and D - i: a known gap, README "The guarantee, in floating point").
             Either way a graph holds at most 4096 rows (``numerics.MAX_FLOAT32_SUM_ROWS``); the
             sums are float64 (``clipped.grads``: exact products of the factors, accumulated
             in float64, so that no example can steer how the others round), up to
@@ -1888,6 +1897,19 @@ def compile_dp(
         >>> out.clipped.grads["weight"].shape
         torch.Size([2, 4])
     """
+
+    if physical_batch_size is None:
+        # A known gap (stop 53): the graphs' row counts then follow the realised batch sizes,
+        # and the BLAS can round an example's values differently at another row count.
+        warnings.warn(
+            "compile_dp: physical_batch_size is left to its default, sizes that follow the realised "
+            "batch sizes (anchored at the first batch). This CPU's BLAS can round an example's values "
+            "differently in graphs of different row counts, and crafted examples at a rounding "
+            "threshold can then move the clipped sum by more than C (README, 'A known gap'). Pass "
+            "physical_batch_size set from public numbers (e.g. the expected batch size q*N).",
+            SoundnessWarning,
+            stacklevel=2,
+        )
 
     def build(fn: Callable[..., Any]) -> DPStep:
         return DPStep(
