@@ -9,7 +9,8 @@ the categories below, so callers can catch exactly what they mean to handle::
         print("this model cannot be made per-example:", err)
 
 Each category also derives from the closest built-in exception (``TypeError``, ``ValueError``,
-``RuntimeError``) so that generic handlers keep working.
+``RuntimeError``) so that generic handlers keep working. One warning is exported beside them,
+:class:`SoundnessWarning` (a ``UserWarning``, not an error).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
         max_removals: how many examples to remove one at a time.
         rtol: relative tolerance, scaled by the larger of the sum's largest entry and C (1 and
             the largest entry without clipping); default ``100 * eps`` of the
-            reference's gradient dtype, or ``16 * eps`` of the trainable parameters' dtype where
+            reference's gradient dtype, or ``4 * eps`` of the trainable parameters' dtype where
             that is larger (bfloat16 and float16 models round in both paths), for the
             comparison; the sensitivity test allows C times ``1 + rtol`` (default the former).
 
@@ -149,10 +149,13 @@ def verify(step: DPStep, *args: Any, max_removals: int = 8, rtol: float | None =
     magnitude = max(1.0, scale) if math.isinf(c) else max(scale, c)
     # The comparison with the reference allows for the model's own precision too: a bfloat16
     # model's gradients round at 2^-8 in both paths, in different orders, and were reported as
-    # a mismatch against float32's tolerance (a newcomer's review). The sensitivity test keeps
-    # the sum dtype's tolerance: the contract bounds the released sum whatever the model's dtype.
+    # a mismatch against float32's tolerance (a newcomer's review: 1.1e-3 of the largest entry
+    # for bfloat16, 1.1e-4 for float16). 4 eps of the model's dtype (3 % for bfloat16) leaves
+    # that 28x of room and still catches a sum scaled by 0.9 (16 eps did not: review). The
+    # sensitivity test keeps the sum dtype's tolerance: the contract bounds the released sum
+    # whatever the model's dtype.
     model_eps = max([0.0] + [torch.finfo(p.dtype).eps for p in trainable.values() if p.is_floating_point()])
-    tol = (rtol if rtol is not None else max(100 * eps, 16 * model_eps)) * magnitude
+    tol = (rtol if rtol is not None else max(100 * eps, 4 * model_eps)) * magnitude
     sens_rtol = rtol if rtol is not None else 100 * eps  # (relative to C)
     got_n = result.clipped.per_example_norms.double()
     ref_n = ref.per_example_norms.double().reshape(got_n.shape)

@@ -462,6 +462,13 @@ def test_the_mass_cap_bounds_what_an_examples_last_bits_can_swing(norm):
         model = _PoolThenLinear(d, c)
     x = torch.full((1, k, d), 0.08960914611816406)  # (fc's input 0.022531669586896896 alone, ...701251864433 in two)
     h = 4.133390519e-08
+
+    def fc_input(rows):
+        xs = x.repeat(rows, 1, 1)
+        return (xs * torch.tanh(torch.matmul(xs, xs.mean(1, keepdim=True).transpose(-1, -2)) / 8))[0, 0, 0]
+
+    if torch.equal(fc_input(1), fc_input(2)):  # (the construction needs this machine's BLAS)
+        pytest.skip("this machine's BLAS rounds the upstream product alike for one and two examples")
     wj = torch.zeros(1, k, c)
     wj[0, 0], wj[0, 1 : k - 1], wj[0, k - 1] = 1.0, h, -1.0
     wi = torch.zeros(1, k, c)
