@@ -584,7 +584,11 @@ class DPOptimizer:
                 ``DistributedPoissonSampler`` of its size, or ranks that disagree on the key, the
                 noise multiplier, the sampler's q, N or position, share a sampler rank, or
                 whose draws together hold fewer examples than the global sum
-                (refused on every rank, before anything changes).
+                (refused on every rank, before anything changes); with correlated noise
+                (``noise=``), a step past the strategy's length. (A ``ClippedPytree`` whose
+                fields differ from those its sums were made with, or that mixes sums of
+                different results or new tensors with the library's, is refused when it is
+                built, by ``dataclasses.replace``.)
 
             PrivacyBudgetExhaustedError: this step would exceed the budget. Nothing changes.
             Any error of the wrapped optimizer's own ``step`` (e.g. a hyperparameter a scheduler

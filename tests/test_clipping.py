@@ -743,6 +743,12 @@ def test_replace_cannot_lower_the_clipping_norm_or_change_the_normalisation():
     # dict is refused at the release; review): refused when the result is built.
     with pytest.raises(ConfigurationError, match=r"mixes sums the library made \('b'\) with 1 new tensor"):
         dataclasses.replace(two, grads={"b": two.grads["b"], "w": two.grads["w"] * 100})
+    # Sums of two results (two batches, the same fields) under one result: charged as one draw
+    # while holding two batches' rows (review).
+    other, _ = clipped_grad(lambda p, x: (p["w"] * x).sum() + p["b"] * x.sum(), batch_argnums=1, clipping_norm=1.0)[0](
+        {"w": _t([3.0, -1.0]), "b": _t(0.5)}, _t([[2.0, 1.0], [0.5, 4.0]]))
+    with pytest.raises(ConfigurationError, match="sums of different results"):
+        dataclasses.replace(two, grads={"b": two.grads["b"], "w": other.grads["w"]})
     # Fresh tensors are a new sum: the check is about the tensors a result was built around.
     fresh = ClippedPytree(grads={"w": got.grads["w"].clone()}, clipping_norm=0.5,
                           per_example_norms=got.per_example_norms, num_examples=2)

@@ -1899,11 +1899,11 @@ def compile_dp(
     """
 
     if physical_batch_size is None:
-        # A known gap (stop 53): the graphs' row counts then follow the realised batch sizes,
+        # A known gap (README): the graphs' row counts then follow the realised batch sizes,
         # and the BLAS can round an example's values differently at another row count.
         warnings.warn(
             "compile_dp: physical_batch_size is left to its default, sizes that follow the realised "
-            "batch sizes (anchored at the first batch). This CPU's BLAS can round an example's values "
+            "batch sizes (anchored at the first batch). A BLAS (MKL, measured) can round an example's values "
             "differently in graphs of different row counts, and crafted examples at a rounding "
             "threshold can then move the clipped sum by more than C (README, 'A known gap'). Pass "
             "physical_batch_size set from public numbers (e.g. the expected batch size q*N).",

@@ -298,13 +298,14 @@ class ClippedPytree(DPOutput):
         # alone (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping
         # a release, a receipt or the draw would leave something made from the sample
         # uncharged. Releases may only be added.
-        fresh, made = [], []
+        fresh, made, origins = [], [], set()
         for name, t in _named_tensors(self.grads):
             held = t.__dict__.get(_MADE)
             if held is None:
                 fresh.append(t)
                 continue
             made.append(name)
+            origins.add(id(t.__dict__.get(_ORIGIN)))
             if held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw, self.num_ranks, self.num_examples):
                 self._check_made_with(held)  # (the same fields pass without the detailed test)
         if fresh and made:
@@ -318,18 +319,27 @@ class ClippedPytree(DPOutput):
                 "calibrated to the sums the library made. Compute a new clipped sum; to transform the "
                 "update, wrap the optimizer or edit the parameters after the step."
             )
+        if len(origins) > 1:
+            # Sums of two results (two batches) under one result, charged as one draw (review).
+            raise ConfigurationError(
+                "This ClippedPytree puts together sums of different results (made by different calls): "
+                "one result is one batch, charged as one draw. Pass the parts to accumulate (or "
+                "DPOptimizer.step([...])), which checks their draws and sizes."
+            )
         # The sum tensors themselves, so that an entry of ``grads`` swapped later (the dict stays
         # mutable) is seen by check_unchanged.
         object.__setattr__(self, _SUMS, tuple(_tensors(self.grads)))
         if fresh:
             marks = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw,
                      self.num_ranks, self.num_examples)
+            origin = object()  # (one per result: its sums belong together)
             for t in fresh:
                 t.__dict__[_MADE] = marks
+                t.__dict__[_ORIGIN] = origin
                 t.__dict__[_SEALED] = _version(t)
 
     def _check_made_with(self, held: tuple) -> None:
-        c0, nb0, rel0, rec0, draw0, ranks0, n0 = held
+        c0, nb0, rel0, rec0, draw0, ranks0, n0 = _seven(held)
         c, nb = self.clipping_norm, self.normalize_by
         problem = None
         if _is_number(c) and _is_number(c0) and c < c0:
@@ -346,7 +356,7 @@ class ClippedPytree(DPOutput):
             # then differ by their local sums, without noise.
             problem = (f"num_ranks={self.num_ranks!r}, not the {ranks0!r} the sums were made by "
                        "(opake_compile.distributed.sum_gradients sets it)")
-        elif self.num_examples != n0:
+        elif n0 is not None and self.num_examples != n0:
             # The draw-size check (a sum of more examples than its draw holds is refused) reads
             # it: a lowered count let a sum of two draws be charged as one (a newcomer's review).
             problem = f"num_examples={self.num_examples!r}, not the {n0!r} the sums hold"
@@ -367,6 +377,8 @@ class ClippedPytree(DPOutput):
 # of the first ClippedPytree built around it (see ClippedPytree.__post_init__). On the tensor,
 # so that it lives exactly as long as the sum; a clone is a new sum.
 _MADE = "_opake_made_with"
+# A token shared by the sum tensors of one result (see ClippedPytree.__post_init__).
+_ORIGIN = "_opake_origin"
 # The version counter of each sum tensor when it was made (see check_unchanged).
 _SEALED = "_opake_sealed_version"
 # On each ClippedPytree: the sum tensors it was built with (see check_unchanged).
@@ -379,7 +391,7 @@ def lock_releases(clipped: ClippedPytree) -> None:
     clipping's count; a caller's own additions stay optional, so that a refused attempt can be
     retried)."""
     for t in _tensors(clipped.grads):
-        c0, nb0, _, _, draw0, ranks0, n0 = t.__dict__[_MADE]
+        c0, nb0, _, _, draw0, ranks0, n0 = _seven(t.__dict__[_MADE])
         t.__dict__[_MADE] = (c0, nb0, tuple(clipped.releases), tuple(clipped.receipts), draw0, ranks0, n0)
 
 
@@ -391,7 +403,13 @@ def mark_ranks(grads: Any, num_ranks: int, num_examples: int) -> None:
     for t in _tensors(grads):
         held = t.__dict__.get(_MADE)
         if held is not None:
-            t.__dict__[_MADE] = held[:5] + (num_ranks, num_examples)
+            t.__dict__[_MADE] = _seven(held)[:5] + (num_ranks, num_examples)
+
+
+def _seven(held: tuple) -> tuple:
+    """A sum tensor's marks as seven fields (tensors saved before the count was recorded
+    carry six: their count reads as unknown)."""
+    return tuple(held) + (None,) * (7 - len(held))
 
 
 def _named_tensors(grads: Any) -> list[tuple[Any, torch.Tensor]]:

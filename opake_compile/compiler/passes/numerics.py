@@ -114,18 +114,22 @@ things are needed:
    hostile review; ``test_the_mass_cap_bounds_what_an_examples_last_bits_can_swing``). The
    price is over-clipping where positions share a direction that the output gradients cancel
    (an attention key projection whose inputs share one 5-10x the rest: released at 0.64-0.82
-   of a norm below C, measured). **Not covered (a known gap):** many examples swinging
-   together. The model's own products can round with the graph's row count (this CPU's BLAS:
-   row 0 of ``F.linear`` over 10 and 11 rows), default buckets run D and D - i at different
-   row counts, and n crafted copies at a threshold add n swings: 1.0135 C at n = 10 and
-   1.253 C at n = 175 on the ghost and mixed paths, 10.99 C and 175.8 C on the materialised
-   path, which has no cap (a hostile review, stop 53; an expected failure in
-   ``tests/test_compiler_dynamic_batch.py``). One physical size for every chunk measured 0.999. Both are absorbed by
-   clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
+   of a norm below C, measured). The two roundings (inside an example, and across examples)
+   are absorbed by clipping to ``C_eff = C / (1 + rho)`` with a slack that depends only on the parameters'
    dtype (:func:`rho` of :func:`slack_dtype`: 2^-10 for float32 and lower, 2^-40 for float64),
    so that every path and the eager reference clip to the same ``C_eff``.
 
-   For float32 models this is a worst case, not an estimate: every float64 accumulation over
+   **Not covered (a known gap): many examples swinging together.** The slack absorbs the
+   swings of a few examples, not of many. The model's own products can round with the graph's
+   row count (MKL on the CPU measured: row 0 of ``F.linear`` over 10 and over 11 rows), the
+   default bucketed sizes run D and D - i at different row counts, and n crafted copies at a
+   threshold add n swings: 1.0135 C at n = 10 and 1.253 C at n = 175 on the ghost and mixed
+   paths, 10.99 C and 175.8 C on the materialised path, which has no cap (a hostile review;
+   an expected failure in ``tests/test_compiler_dynamic_batch.py``). One physical size for
+   every chunk, set from public numbers, measured 0.999; ``compile_dp`` without one warns
+   (``SoundnessWarning``).
+
+   For float32 models the accumulation's bound is a worst case, not an estimate: every float64 accumulation over
    (example, position) rows is cut into chains of at most ``L = 2^19`` rows
    (:data:`MAX_FLOAT64_CHAIN`) whose results are added in float64; a chain of total mass
    ``m_c`` errs by at most ``L 2^-53 m_c``, the chains of a logical batch of ``N`` examples
