@@ -298,6 +298,8 @@ class ClippedPytree(DPOutput):
         # alone (gaussian_noise adds ``z / n`` to a sum taken as already divided), and dropping
         # a release, a receipt or the draw would leave something made from the sample
         # uncharged. Releases may only be added.
+        marks = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw,
+                 self.num_ranks, self.num_examples)
         fresh, made, origins = [], [], set()
         for name, t in _named_tensors(self.grads):
             held = t.__dict__.get(_MADE)
@@ -306,7 +308,7 @@ class ClippedPytree(DPOutput):
                 continue
             made.append(name)
             origins.add(id(t.__dict__.get(_ORIGIN)))
-            if held[0] != self.clipping_norm or held[1:] != (self.normalize_by, self.releases, self.receipts, self.draw, self.num_ranks, self.num_examples):
+            if held != marks:
                 self._check_made_with(held)  # (the same fields pass without the detailed test)
         if fresh and made:
             # A sum that is partly the library's and partly new tensors (a replace that swaps
@@ -330,8 +332,6 @@ class ClippedPytree(DPOutput):
         # mutable) is seen by check_unchanged.
         object.__setattr__(self, _SUMS, tuple(_tensors(self.grads)))
         if fresh:
-            marks = (self.clipping_norm, self.normalize_by, tuple(self.releases), tuple(self.receipts), self.draw,
-                     self.num_ranks, self.num_examples)
             origin = object()  # (one per result: its sums belong together)
             for t in fresh:
                 t.__dict__[_MADE] = marks
