@@ -616,9 +616,9 @@ def test_a_shape_or_dtype_error_points_at_the_arguments(capfd):
             step(*args)
     # A batch of integers or of another float dtype than the model (a newcomer's review: they
     # raised UnsupportedOperationError, a float64 batch ConfigurationError), naming the dtypes.
-    with pytest.raises(ConfigurationError, match=r"batch's tensors are torch.int64, the trainable parameters torch.float32"):
+    with pytest.raises(ConfigurationError, match=r"step's tensor arguments are torch.int64, the trainable parameters torch.float32"):
         step(x.long(), y)
-    with pytest.raises(ConfigurationError, match=r"batch's tensors are torch.float16, torch.int64, the trainable parameters torch.float32"):
+    with pytest.raises(ConfigurationError, match=r"step's tensor arguments are torch.float16, torch.int64, the trainable parameters torch.float32"):
         step(x.half(), y)
     assert "failed while attempting to run meta" not in capfd.readouterr().err
     assert step.num_calls == 0 and math.isfinite(float(step(x, y).loss))

@@ -736,14 +736,14 @@ def trace_per_example_grads(
             # mixed-dtype refusal above is (a newcomer's review: float64 and int64 batches got
             # two different classes).
             params = sorted({str(named[n].dtype) for n in trainable})
-            batch = sorted({str(l.dtype) for l, k in zip(leaves, kinds)
+            given = sorted({str(l.dtype) for l, k in zip(leaves, kinds)
                             if k != "const" and isinstance(l, torch.Tensor)})
             raise ConfigurationError(
                 f"Could not trace the per-example gradient of loss_fn{where}: {type(err).__name__}: {err}. "
                 "A shape or dtype mismatch: check the order, shapes and dtypes of the step's arguments "
                 "(the step calls loss_fn(model, *args) with them as passed, e.g. step(x, y) for "
-                "loss_fn(model, x, y); class labels are integers). The batch's tensors are "
-                f"{', '.join(batch) or 'none'}, the trainable parameters {', '.join(params) or 'none'}."
+                "loss_fn(model, x, y); class labels are integers). The step's tensor arguments are "
+                f"{', '.join(given) or 'none'}, the trainable parameters {', '.join(params) or 'none'}."
             ) from err
         if _inside_activation_checkpointing(err):
             raise UnsupportedOperationError(
