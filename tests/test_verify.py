@@ -25,6 +25,19 @@ def _step(case, c, p=4, **kw):
     return compile_dp(case.loss_fn, model=case.model, clipping_norm=c, physical_batch_size=p, backend=None, **kw)
 
 
+def _edit_sums(monkeypatch, step, edit):
+    """Make ``step`` return ``edit(name, sum)`` for every clipped sum (new tensors each: a result
+    mixing new ones with the library's sums is refused), as a broken compiler would."""
+    run = step._run
+
+    def edited(*a, **kw):
+        out = run(*a, **kw)
+        grads = {k: edit(k, g) for k, g in out.clipped.grads.items()}
+        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
+
+    monkeypatch.setattr(step, "_run", edited)
+
+
 @pytest.mark.parametrize("factory", [mlp_case, conv2d_case, embedding_case, lora_case], ids=["mlp", "conv2d", "embedding", "lora"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_correct_step_verifies(factory, dtype):
@@ -78,14 +91,7 @@ def test_detects_a_scaled_result(monkeypatch):
     case = conv2d_case(seed=4)
     args = case.make_batch(5, 0)
     step = _step(case, 0.1)
-    run = step._run
-
-    def scaled(*a, **kw):
-        out = run(*a, **kw)
-        grads = {k: 1.5 * g for k, g in out.clipped.grads.items()}
-        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
-
-    monkeypatch.setattr(step, "_run", scaled)
+    _edit_sums(monkeypatch, step, lambda k, g: 1.5 * g)
     report = verify(step, *args)
     assert not report.matches_reference
     assert not report.sensitivity_ok  # 1.5 C > C
@@ -100,14 +106,7 @@ def test_a_sum_scaled_down_is_caught_at_any_clipping_norm(c, monkeypatch):
     args = case.make_batch(5, 0)
     step = _step(case, c)
     assert verify(step, *args, max_removals=2).ok
-    run = step._run
-
-    def shrunk(*a, **kw):
-        out = run(*a, **kw)
-        grads = {k: g / 200 for k, g in out.clipped.grads.items()}
-        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
-
-    monkeypatch.setattr(step, "_run", shrunk)
+    _edit_sums(monkeypatch, step, lambda k, g: g / 200)
     report = verify(step, *args, max_removals=2)
     assert not report.matches_reference and report.sensitivity_ok
 
@@ -116,15 +115,7 @@ def test_detects_a_subtle_mismatch_within_sensitivity(monkeypatch):
     """A small error that keeps the sensitivity bound is still caught by the comparison."""
     case = mlp_case(seed=5, dtype=torch.float64)
     step = _step(case, 100.0)
-    run = step._run
-
-    def nudged(*a, **kw):
-        out = run(*a, **kw)
-        # (all new tensors: a result mixing new ones with the library's sums is refused)
-        grads = {k: g + 1e-6 if k == "0.bias" else g.clone() for k, g in out.clipped.grads.items()}
-        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
-
-    monkeypatch.setattr(step, "_run", nudged)
+    _edit_sums(monkeypatch, step, lambda k, g: g + 1e-6 if k == "0.bias" else g.clone())
     report = verify(step, *case.make_batch(5, 0))
     assert report.sensitivity_ok and not report.matches_reference and not report.ok
 
@@ -139,14 +130,7 @@ def test_a_half_precision_model_verifies_and_a_sum_scaled_by_a_tenth_less_is_cau
     report = verify(step, *args, max_removals=3)
     assert report.ok, str(report)
     assert report.max_abs_diff > 0  # (the two paths do round differently in this dtype)
-    run = step._run
-
-    def nudged(*a, **kw):
-        out = run(*a, **kw)
-        grads = {k: 0.9 * g for k, g in out.clipped.grads.items()}  # (16 eps of bfloat16 let this pass: review)
-        return dataclasses.replace(out, clipped=dataclasses.replace(out.clipped, grads=grads))
-
-    monkeypatch.setattr(step, "_run", nudged)
+    _edit_sums(monkeypatch, step, lambda k, g: 0.9 * g)  # (16 eps of bfloat16 let this pass: review)
     assert not verify(step, *args, max_removals=1).matches_reference
 
 
