@@ -412,6 +412,17 @@ class _PoolThenLinear(nn.Module):
         return self.fc(x * torch.tanh(torch.matmul(x, q.transpose(-1, -2)) / 8))
 
 
+def _removal_of_i(model, clip, norm, x, wj, wi):
+    """||S([j, i]) - S([j])|| / C for the fc layer of a ``_PoolThenLinear`` (its norm forced to
+    ``norm``, summed example by example): j alone runs in a graph of one, with i in a graph of two."""
+    step = compile_dp(lambda mod, x, w: (mod(x) * w).sum(), model=model, clipping_norm=clip,
+                      backend="aot_eager", rewrites=[GhostClipping(force={"fc.weight": norm})])
+    alone = step(x, wj).clipped.grads["fc.weight"].double()
+    both = step(torch.cat([x, x]), torch.cat([wj, wi])).clipped.grads["fc.weight"].double()
+    assert _targets(step).count(PER_EXAMPLE_MM) == 1
+    return float((both - alone).norm()) / clip
+
+
 def test_an_example_at_a_threshold_cannot_move_the_sum_past_c_through_its_batch():
     # A hostile review's construction against an earlier design that chose per example between
     # a float32 and a float64 product by a threshold on its computed bound: the upstream bmm's
@@ -437,12 +448,7 @@ def test_an_example_at_a_threshold_cannot_move_the_sum_past_c_through_its_batch(
     wi = torch.zeros(k, c)
     wi[k - 2] = u
     wj, wi = wj.unsqueeze(0), wi.unsqueeze(0)
-    step = compile_dp(lambda mod, x, w: (mod(x) * w).sum(), model=model, clipping_norm=clip,
-                      backend="aot_eager", rewrites=[GhostClipping(force={"fc.weight": "ghost"})])
-    alone = step(x, wj).clipped.grads["fc.weight"].double()
-    both = step(torch.cat([x, x]), torch.cat([wj, wi])).clipped.grads["fc.weight"].double()
-    assert _targets(step).count(PER_EXAMPLE_MM) == 1
-    ratio = float((both - alone).norm()) / clip
+    ratio = _removal_of_i(model, clip, "ghost", x, wj, wi)
     assert ratio <= 1.0, ratio
 
 
@@ -473,12 +479,7 @@ def test_the_mass_cap_bounds_what_an_examples_last_bits_can_swing(norm):
     wj[0, 0], wj[0, 1 : k - 1], wj[0, k - 1] = 1.0, h, -1.0
     wi = torch.zeros(1, k, c)
     wi[0, 0] = 1.0
-    step = compile_dp(lambda mod, x, w: (mod(x) * w).sum(), model=model, clipping_norm=clip,
-                      backend="aot_eager", rewrites=[GhostClipping(force={"fc.weight": norm})])
-    alone = step(x, wj).clipped.grads["fc.weight"].double()
-    both = step(torch.cat([x, x]), torch.cat([wj, wi])).clipped.grads["fc.weight"].double()
-    assert _targets(step).count(PER_EXAMPLE_MM) == 1
-    ratio = float((both - alone).norm()) / clip
+    ratio = _removal_of_i(model, clip, norm, x, wj, wi)
     assert ratio <= 1.0, ratio
 
 
